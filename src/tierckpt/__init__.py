@@ -1,0 +1,45 @@
+"""tierckpt: tiered checkpointing and fast recovery for PyTorch distributed training.
+
+    import tierckpt
+    cfg = tierckpt.CheckpointConfig(namespace="run1", durable_url="file:///mnt/ckpt")
+    with tierckpt.Checkpointer(cfg) as ck:
+        start = ck.load(state_dict)          # None when there is nothing to resume
+        ck.save(step, state_dict)            # memory now, durable in the background
+
+The DCP plug-ins ``TieredStorageWriter`` / ``TieredStorageReader`` work with
+``dcp.save``, ``dcp.async_save`` and ``dcp.load``.
+"""
+
+from tierckpt.checkpointer import Checkpointer, SaveHandle, StepInfo
+from tierckpt.config import CheckpointConfig, S3Settings
+from tierckpt.dcp import TieredStorageReader, TieredStorageWriter
+from tierckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DurableWriteError,
+    IntegrityError,
+    MemoryBudgetError,
+    StateDictMismatchError,
+    StorageError,
+    TierckptError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointNotFoundError",
+    "Checkpointer",
+    "ConfigError",
+    "DurableWriteError",
+    "IntegrityError",
+    "MemoryBudgetError",
+    "S3Settings",
+    "SaveHandle",
+    "StateDictMismatchError",
+    "StepInfo",
+    "StorageError",
+    "TieredStorageReader",
+    "TieredStorageWriter",
+    "TierckptError",
+]

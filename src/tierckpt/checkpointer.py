@@ -1,0 +1,310 @@
+"""``Checkpointer``: save, load and list steps across tiers, with the durable copy in the background.
+
+Call order (every rank, same order, same arguments):
+  ck = Checkpointer(config)          one all_gather to learn which ranks share a node
+  step = ck.load(state_dict)         agreed step loaded in place, or None when nothing exists
+  handle = ck.save(step, state_dict) returns once the step is committed in memory; a durable
+                                     copy (config policy or durable=True) drains in a
+                                     background thread, one save at a time, in save order
+  ck.wait()                          every save so far committed (and durable when asked)
+  ck.close()                         waits, then releases slots and threads
+Durable drains run collectives on a dedicated gloo group, never the training group.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from tierckpt import layout
+from tierckpt.config import CheckpointConfig
+from tierckpt.dcp.reader import TieredStorageReader
+from tierckpt.dcp.writer import TieredStorageWriter
+from tierckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    DurableWriteError,
+    IntegrityError,
+    TierckptError,
+)
+from tierckpt.observability import StepLogger
+from tierckpt.policy import DurablePolicy
+from tierckpt.runtime import RankRuntime
+
+__all__ = ["Checkpointer", "SaveHandle", "StepInfo"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """A step and the tiers (as this rank sees them) that hold a committed copy."""
+
+    step: int
+    tiers: frozenset[str]
+
+
+class SaveHandle:
+    """The result of ``Checkpointer.save``: staged and in memory at once; durable later."""
+
+    def __init__(self, step: int, durable: bool, blocking_s: float) -> None:
+        self.step = step
+        self.durable = durable
+        self.blocking_s = blocking_s
+        self._future: Future[None] = Future()
+        if not durable:
+            self._future.set_result(None)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait for the save to finish everywhere it was asked to go; re-raise its error."""
+        self._future.result(timeout)
+
+    wait = result
+
+    def exception(self) -> BaseException | None:
+        return self._future.exception() if self._future.done() else None
+
+
+class Checkpointer:
+    """Tiered checkpointing for one namespace; a context manager that closes on exit."""
+
+    def __init__(self, config: CheckpointConfig, *, process_group: dist.ProcessGroup | None = None) -> None:
+        if not isinstance(config, CheckpointConfig):
+            raise ConfigError("config must be a tierckpt.CheckpointConfig")
+        self.config = config
+        self.group = process_group
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(process_group) if self.distributed else 0
+        self.world_size = dist.get_world_size(process_group) if self.distributed else 1
+        self.runtime = RankRuntime(config, self.rank)
+        self.log = StepLogger("checkpointer", self.rank, config.logger)
+        self.policy = DurablePolicy(config.durable_every_n_steps, config.durable_url is not None)
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._handles: list[SaveHandle] = []
+        self._drainer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-drain")
+        self._closed = False
+        self.node_leader, self.shares_coordinator_node = True, True
+        self._drain_group: dist.ProcessGroup | None = None
+        if self.distributed and self.world_size > 1:
+            me = (socket.gethostname(), os.path.realpath(config.memory_dir))
+            nodes: list[Any] = [None] * self.world_size
+            dist.all_gather_object(nodes, me, group=process_group)
+            self.node_leader = nodes.index(me) == self.rank
+            self.shares_coordinator_node = nodes[0] == me
+            self.multi_node = len(set(nodes)) > 1
+            if config.durable_url is not None:
+                ranks = dist.get_process_group_ranks(process_group) if process_group else None
+                self._drain_group = dist.new_group(ranks=ranks, backend="gloo")
+        else:
+            self.multi_node = False
+        if self.node_leader:  # saves that died with their process hold slots: free them
+            removed = self.runtime.memory.gc_staging()
+            if removed:
+                self.log.info(None, "removed %d unfinished save(s) left by dead processes", len(removed))
+        self.last_load: dict[str, Any] = {}
+
+    # -- context ----------------------------------------------------------------------
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close(raise_errors=exc[0] is None)
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        if self._closed:
+            return
+        try:
+            if raise_errors:
+                self.wait()
+        finally:
+            self._closed = True
+            self._drainer.shutdown(wait=True)
+            self.runtime.close()
+
+    # -- save -------------------------------------------------------------------------
+    def save(self, step: int, state_dict: dict[str, Any], durable: bool | None = None) -> SaveHandle:
+        """Commit ``state_dict`` as ``step`` in memory; queue the durable copy if it is due."""
+        self._check_open()
+        layout.validate_step(step)
+        if durable and self.config.durable_url is None:
+            raise ConfigError("durable=True but the config has no durable_url")
+        go_durable = self.policy.should_save(step, durable)
+        writer = TieredStorageWriter(self.config, step=step, durable=False, _runtime=self.runtime)
+        t0 = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.save(state_dict, storage_writer=writer, planner=self._planner, process_group=self.group)
+        except CheckpointException as exc:
+            raise _unwrap(exc) from None
+        small = self._commit_other_nodes(writer)
+        blocking = time.perf_counter() - t0
+        self.log.info(step, "save returned after %.3fs (memory committed%s)", blocking, ", durable queued" if go_durable else "")
+        handle = SaveHandle(step, go_durable, blocking)
+        if go_durable:
+            assert writer._plan_data is not None
+            pin = self._pin(step, writer._plan_data.file_name, writer._plan_data.save_id)
+            future = self._drainer.submit(self._drain, step, writer._plan_data, pin, small)
+            future.add_done_callback(lambda f: _chain(f, handle._future))
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        return handle
+
+    def _commit_other_nodes(self, writer: TieredStorageWriter) -> tuple[bytes, bytes] | None:
+        """Make the step visible in every node's memory tier, not just the coordinator's."""
+        small = writer.committed
+        if not self.multi_node:
+            return small
+        box = [small]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        small = box[0]
+        assert small is not None and writer._plan_data is not None
+        if self.node_leader and not self.shares_coordinator_node:
+            md, mf = small
+            rt = self.runtime
+            rt.memory.commit(writer.step, writer._plan_data.save_id, {layout.METADATA: md, layout.MANIFEST: mf})
+            rt.apply_retention(rt.memory, rt.memory_retention)
+        return small
+
+    def _pin(self, step: int, name: str, save_id: str) -> str:
+        """Hard-link the data file so retention cannot recycle its slot before the drain."""
+        pins = self.runtime.memory.ns_dir / layout.PINS
+        pins.mkdir(parents=True, exist_ok=True)
+        pin = pins / f"{layout.step_dir_name(step)}.{save_id}.{name}.p{os.getpid()}"
+        source = self.runtime.memory.step_dir(step) / name
+        if source.exists():
+            os.link(source, pin)
+        return str(pin)
+
+    def _drain(self, step: int, pd: Any, pin: str, small: tuple[bytes, bytes] | None) -> None:
+        rt, durable = self.runtime, self.runtime.durable
+        assert durable is not None
+        error: str | None = None
+        t0 = time.perf_counter()
+        try:
+            from pathlib import Path
+
+            if os.path.exists(pin):
+                durable.put_file(step, pd.save_id, pd.file_name, Path(pin))
+        except Exception as exc:  # reported to every rank below, then raised on the handle
+            error = f"rank {self.rank}: {exc}"
+        finally:
+            try:
+                os.unlink(pin)
+            except FileNotFoundError:
+                pass
+        errors = [error]
+        if self._drain_group is not None:
+            errors = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self._drain_group)
+        failed = [e for e in errors if e]
+        if not failed and self.rank == 0:
+            try:
+                assert small is not None
+                durable.commit(step, pd.save_id, {layout.METADATA: small[0], layout.MANIFEST: small[1]})
+                rt.apply_retention(durable, rt.durable_retention)
+            except Exception as exc:
+                failed = [f"commit: {exc}"]
+        if self._drain_group is not None:
+            box = [failed]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self._drain_group, 0), group=self._drain_group)
+            failed = box[0]
+        if failed:
+            self.log.warning(step, "durable copy failed: %s", "; ".join(failed))
+            raise DurableWriteError(
+                f"durable copy of step {step} failed (its memory copy is intact): " + "; ".join(failed),
+                tier="durable", step=step,
+            )
+        self.log.info(step, "durable copy committed in %.3fs (%s)", time.perf_counter() - t0, durable.location(step))
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far finished; raise the first failure."""
+        first: BaseException | None = None
+        for handle in list(self._handles):
+            try:
+                handle.result(timeout)
+            except BaseException as exc:
+                first = first or exc
+        self._handles = []
+        if first is not None:
+            raise first
+
+    # -- load -------------------------------------------------------------------------
+    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int | None:
+        """Load the newest loadable step (or ``step``) in place; None when nothing exists."""
+        self._check_open()
+        if step is not None:
+            layout.validate_step(step)
+        for h in self._handles:  # a load after a save sees that save's durable copy
+            h._future.exception()
+        excluded: list[int] = []
+        while True:
+            reader = TieredStorageReader(
+                self.config, step, process_group=self.group, exclude_steps=excluded,
+                expect=state_dict, _runtime=self.runtime,
+            )
+            t0 = time.perf_counter()
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(state_dict, storage_reader=reader, process_group=self.group)
+            except CheckpointException as exc:
+                err = reader.failure or _unwrap(exc)
+                if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
+                    self.log.info(None, "no checkpoint found; starting fresh")
+                    return None
+                if isinstance(err, IntegrityError) and step is None and reader.step is not None:
+                    self.log.warning(reader.step, "failed to load (%s); trying an older step", err)
+                    excluded.append(reader.step)
+                    continue
+                raise err from None
+            self.last_load = {
+                "step": reader.step, "seconds": time.perf_counter() - t0,
+                "tiers": sorted(set(reader.tiers_used.values())), "skipped": list(reader.skipped) + excluded,
+            }
+            self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
+            return reader.step
+
+    def steps(self) -> list[StepInfo]:
+        """Committed steps this rank can see, oldest first, with the tiers that hold them."""
+        seen: dict[int, set[str]] = {}
+        tiers = [self.runtime.memory] + ([self.runtime.durable] if self.runtime.durable else [])
+        for tier in tiers:
+            for listing in tier.list_steps():
+                seen.setdefault(listing.step, set()).add(tier.name)
+        return [StepInfo(s, frozenset(t)) for s, t in sorted(seen.items())]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierckptError("this Checkpointer is closed")
+
+
+def _unwrap(exc: CheckpointException) -> BaseException:
+    """The first tierckpt error inside DCP's per-rank wrapper, else the wrapper itself."""
+    for _, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, TierckptError):
+            return inner
+    return exc
+
+
+def _chain(src: Future[None], dst: Future[None]) -> None:
+    err = src.exception()
+    if err is None:
+        dst.set_result(None)
+    else:
+        dst.set_exception(err)
+
+
+_ = threading  # the drain executor's worker thread owns the drain group's collectives

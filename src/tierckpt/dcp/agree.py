@@ -1,0 +1,113 @@
+"""Choosing the one step every rank loads: local availability, one all_gather, a pure choice.
+
+Call order (every rank, inside ``TieredStorageReader.read_metadata``):
+  ``local_availability(...)`` → ``gather(...)`` (one ``all_gather_object``; skipped without a
+  process group) → ``choose_step(...)`` on the gathered list, which every rank evaluates
+  identically, so all ranks pick the same step or all raise the same error.
+Only rank 0 lists the durable tier, so finding the newest step costs one listing per job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch.distributed as dist
+
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError
+
+__all__ = ["Availability", "Choice", "choose_step", "gather"]
+
+
+@dataclass(frozen=True)
+class Availability:
+    """What one rank can read.
+
+    memory   step → files present in this rank's memory tier (committed, sealed manifest)
+    files    step → every file the step's manifest lists (known from memory manifests)
+    durable  committed durable steps (filled in by rank 0 only)
+    bad      step → why this rank's memory copy was rejected
+    """
+
+    rank: int
+    memory: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    files: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    durable: frozenset[int] | None = None
+    bad: Mapping[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Choice:
+    step: int
+    skipped: tuple[tuple[int, str], ...]  # newer steps passed over, with the reason
+
+
+def gather(local: Availability, group: dist.ProcessGroup | None) -> list[Availability]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return [local]
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [local]
+    out: list[Availability | None] = [None] * world
+    dist.all_gather_object(out, local, group=group)
+    return [a for a in out if a is not None]
+
+
+def choose_step(
+    avail: Sequence[Availability], requested: int | None, *, namespace: str
+) -> Choice | None:
+    """The newest step every rank can load completely (or ``requested``); None if nothing exists.
+
+    A rank can load step S if S is committed in the durable tier, or if its memory tier
+    holds S with every file S's manifest lists. An explicit step that exists nowhere →
+    CheckpointNotFoundError; one that exists but is not loadable by every rank → IntegrityError.
+    """
+    durable: frozenset[int] = frozenset()
+    for a in avail:
+        if a.durable is not None:
+            durable = a.durable
+    files: dict[int, frozenset[str]] = {}
+    for a in avail:
+        files.update(a.files)
+    seen = set(durable) | {s for a in avail for s in a.memory} | {s for a in avail for s in a.bad}
+
+    def why_not(step: int) -> str | None:
+        if step in durable:
+            return None
+        for a in avail:
+            if step in a.bad:
+                return f"rank {a.rank}: {a.bad[step]}"
+            have = a.memory.get(step)
+            if have is None:
+                return f"rank {a.rank} has no copy (not in its memory tier, not durable)"
+            missing = files.get(step, frozenset()) - have
+            if missing:
+                return f"rank {a.rank} cannot reach {', '.join(sorted(missing))} (not durable)"
+        return None
+
+    if requested is not None:
+        if requested not in seen:
+            raise CheckpointNotFoundError(
+                f"step {requested} of namespace {namespace!r} does not exist in any tier",
+                step=requested,
+            )
+        reason = why_not(requested)
+        if reason is not None:
+            raise IntegrityError(
+                f"step {requested} of namespace {namespace!r} cannot be loaded completely: {reason}",
+                step=requested,
+            )
+        return Choice(requested, ())
+    skipped: list[tuple[int, str]] = []
+    for step in sorted(seen, reverse=True):
+        reason = why_not(step)
+        if reason is None:
+            return Choice(step, tuple(skipped))
+        skipped.append((step, reason))
+    if skipped:
+        raise IntegrityError(
+            f"no step of namespace {namespace!r} can be loaded completely: "
+            + "; ".join(f"step {s}: {r}" for s, r in skipped)
+        )
+    return None
+

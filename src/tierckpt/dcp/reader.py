@@ -1,0 +1,353 @@
+"""``TieredStorageReader``: a PyTorch DCP StorageReader that reads the best verified copy.
+
+Call order (driven by ``dcp.load``, every rank):
+  reset(checkpoint_id)? → read_metadata()          lists this rank's tiers, agrees on one step
+                                                    with every rank (one all_gather), returns
+                                                    that step's verified DCP Metadata
+  → set_up_storage_reader(metadata, is_coordinator) → prepare_local_plan → [coordinator]
+  prepare_global_plan → read_data(plan, planner)    per file: the memory tier first, then durable;
+                                                    every item's checksum is checked before its
+                                                    bytes reach a tensor; a bad copy falls back
+                                                    to the next tier; none good → IntegrityError
+After ``dcp.load`` returns, ``step`` and ``tiers_used`` tell what was loaded from where.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.tensor import DTensor
+from torch.futures import Future
+
+from tierckpt import layout
+from tierckpt.config import CheckpointConfig
+from tierckpt.dcp.agree import Availability, choose_step, gather
+from tierckpt.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    IntegrityError,
+    StateDictMismatchError,
+    StorageError,
+    TierckptError,
+)
+from tierckpt.observability import StepLogger, throughput
+from tierckpt.record import loads_metadata
+from tierckpt.runtime import RankRuntime, runtime_for
+from tierckpt.tiers import Tier
+
+__all__ = ["TieredStorageReader"]
+
+
+class TieredStorageReader(StorageReader):
+    """Load a checkpoint saved by tierckpt (or any DCP checkpoint in tierckpt's layout).
+
+    ``step=None`` loads the newest step every rank can load completely (older steps are
+    used, with a warning, when newer ones are damaged); an explicit step loads that step
+    or raises CheckpointNotFoundError / IntegrityError. ``path`` may name the step as
+    ``.../step_N``. ``process_group`` must be the group given to ``dcp.load``.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        step: int | None = None,
+        path: str | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        exclude_steps: Iterable[int] = (),
+        expect: dict[str, Any] | None = None,
+        _runtime: RankRuntime | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, CheckpointConfig):
+            raise ConfigError("config must be a tierckpt.CheckpointConfig")
+        self.config = config
+        self.requested = layout.validate_step(step) if step is not None else None
+        if self.requested is None and path is not None:
+            self.requested = layout.step_from_path(path)
+        self.group = process_group
+        self.exclude = frozenset(exclude_steps)
+        self.expect = expect
+        self.rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
+        self._runtime = _runtime
+        self.step: int | None = None
+        self.skipped: tuple[tuple[int, str], ...] = ()
+        self.tiers_used: dict[str, str] = {}  # file → tier name it was read from
+        self._in_memory: frozenset[str] = frozenset()
+        self._durable_ok = False
+        self._manifest: layout.Manifest | None = None
+        self._records: dict[tuple[str, int], layout.ItemRecord] = {}
+        self._storage_data: dict[MetadataIndex, Any] = {}
+        self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._log = StepLogger("reader", self.rank, config.logger)
+        #: the tierckpt error this reader raised, if any (DCP re-wraps read_metadata errors)
+        self.failure: TierckptError | None = None
+
+    @property
+    def runtime(self) -> RankRuntime:
+        if self._runtime is None:
+            self._runtime = runtime_for(self.config, self.rank)
+        return self._runtime
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return layout.step_from_path(checkpoint_id) is not None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None and self.requested is None:
+            self.requested = layout.step_from_path(checkpoint_id)
+
+    # -- choosing the step ----------------------------------------------------------
+    def read_metadata(self) -> Metadata:  # no **kwargs: tierckpt keeps global metadata only
+        try:
+            return self._read_metadata()
+        except TierckptError as exc:
+            self.failure = exc
+            raise
+
+    def _read_metadata(self) -> Metadata:
+        rt = self.runtime
+        local = self._local_availability(rt)
+        choice = choose_step(gather(local, self.group), self.requested, namespace=self.config.namespace)
+        if choice is None:
+            raise CheckpointNotFoundError(
+                f"namespace {self.config.namespace!r} has no checkpoint in any tier"
+            )
+        self.step, self.skipped = choice.step, choice.skipped
+        for step, reason in self.skipped:
+            self._log.warning(step, "skipped: %s; loading step %d instead", reason, choice.step)
+        self._in_memory = local.memory.get(choice.step, frozenset())
+        metadata = self._read_verified_metadata(rt, choice.step)
+        if self.expect is not None:
+            _check_state_dict(self.expect, metadata, choice.step)
+        return metadata
+
+    def _local_availability(self, rt: RankRuntime) -> Availability:
+        memory: dict[int, frozenset[str]] = {}
+        files: dict[int, frozenset[str]] = {}
+        bad: dict[int, str] = {}
+        listings = [s for s in rt.memory.list_steps() if s.step not in self.exclude]
+        verified_one = False
+        for listing in sorted(listings, key=lambda s: s.step, reverse=True):
+            if self.requested is not None and listing.step != self.requested:
+                continue
+            try:
+                manifest = self._sealed_manifest(rt.memory, listing.step)
+                present = frozenset(
+                    n for n, size in manifest.files.items() if listing.files.get(n) == size
+                )
+                if not verified_one:  # the newest usable copy: check this rank's own data now
+                    self._verify_file(rt.memory, manifest, layout.data_file_name(self.rank), present)
+                    verified_one = True
+            except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
+                bad[listing.step] = f"memory copy rejected ({exc})"
+                continue
+            memory[listing.step] = present
+            files[listing.step] = frozenset(manifest.files)
+        durable = None
+        if self.rank == 0 and rt.durable is not None:
+            durable = frozenset(
+                s.step for s in rt.durable.list_steps()
+                if s.step not in self.exclude and (self.requested is None or s.step == self.requested)
+            )
+            self._durable_steps = durable
+        return Availability(self.rank, memory, files, durable, bad)
+
+    def _sealed_manifest(self, tier: Tier, step: int) -> layout.Manifest:
+        where = tier.location(step)
+        mf_raw = tier.read_file(step, layout.MANIFEST)
+        layout.check_marker(tier.read_file(step, layout.MARKER), mf_raw, where=where)
+        manifest = layout.Manifest.from_bytes(mf_raw, where=f"{where}/{layout.MANIFEST}")
+        if manifest.namespace != self.config.namespace or manifest.step != step:
+            raise IntegrityError(f"{where}: manifest belongs to {manifest.namespace}/step_{manifest.step}")
+        return manifest
+
+    def _verify_file(self, tier: Tier, manifest: layout.Manifest, name: str, present: frozenset[str]) -> None:
+        if name not in present:
+            return
+        records = [r for r in manifest.items if r.file == name]
+        if not records:
+            return
+        view = _fetch_file(tier, manifest.step, name, manifest.files[name])
+        for r in records:
+            if layout.checksum(view[r.offset : r.offset + r.length]) != r.xxh3:
+                raise IntegrityError(f"{tier.location(manifest.step)}/{name}: item at {r.offset} fails its checksum")
+
+    def _read_verified_metadata(self, rt: RankRuntime, step: int) -> Metadata:
+        errors = []
+        for tier in self._tiers_for(rt, step):
+            try:
+                manifest = self._sealed_manifest(tier, step)
+                md_raw = tier.read_file(step, layout.METADATA)
+                if layout.checksum(md_raw) != manifest.metadata_xxh3:
+                    raise IntegrityError(f"{tier.location(step)}/.metadata fails its checksum")
+                metadata = loads_metadata(md_raw, where=f"{tier.location(step)}/.metadata")
+                self._manifest = manifest
+                self._records = manifest.item_index()
+                self._durable_ok = tier.name == "durable" or self._durable_ok
+                return metadata
+            except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
+                self._log.warning(step, "metadata from the %s tier rejected: %s", tier.name, exc)
+                errors.append(f"{tier.name}: {exc}")
+        raise IntegrityError(f"step {step}: no readable metadata ({'; '.join(errors) or 'no tier holds it'})", step=step)
+
+    def _tiers_for(self, rt: RankRuntime, step: int) -> list[Tier]:
+        tiers: list[Tier] = []
+        if self._in_memory:
+            tiers.append(rt.memory)
+        if rt.durable is not None:
+            tiers.append(rt.durable)
+        return tiers
+
+    # -- planning -------------------------------------------------------------------
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._storage_data = dict(metadata.storage_data or {})
+        self._chunks = {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, TensorStorageMetadata):
+                for i, chunk in enumerate(md.chunks):
+                    self._chunks[MetadataIndex(fqn, chunk.offsets, i)] = (md.properties.dtype, tuple(chunk.sizes))
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    # -- reading --------------------------------------------------------------------
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        import time
+
+        rt, step = self.runtime, self.step
+        assert step is not None and self._manifest is not None
+        t0, nbytes = time.perf_counter(), 0
+        per_file: dict[str, list[ReadItem]] = {}
+        for req in plan.items:
+            per_file.setdefault(self._storage_data[req.storage_index].relative_path, []).append(req)
+        try:
+            for name, reqs in sorted(per_file.items()):
+                nbytes += self._read_file_items(rt, step, name, reqs, planner)
+        except TierckptError as exc:
+            self.failure = exc
+            raise
+        self._log.info(step, "Read %d items from %s in %s", len(plan.items), sorted(set(self.tiers_used.values())), throughput(nbytes, time.perf_counter() - t0))
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_file_items(self, rt: RankRuntime, step: int, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> int:
+        assert self._manifest is not None
+        errors = []
+        for tier in self._file_sources(rt, name):
+            try:
+                view = _fetch_file(tier, step, name, self._manifest.files.get(name, -1))
+                records = [self._record_for(name, req) for req in reqs]
+                digests = rt.executor.map(lambda r: layout.checksum(view[r.offset : r.offset + r.length]), records)
+                for r, digest in zip(records, digests):
+                    if digest != r.xxh3:
+                        raise IntegrityError(f"{tier.location(step)}/{name}: item at offset {r.offset} fails its checksum")
+                for req, r in zip(reqs, records):
+                    self._apply(req, r, view[r.offset : r.offset + r.length], planner)
+                self.tiers_used[name] = tier.name
+                return sum(r.length for r in records)
+            except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
+                self._log.warning(step, "%s from the %s tier unusable, trying the next copy: %s", name, tier.name, exc)
+                errors.append(f"{tier.name}: {exc}")
+        raise IntegrityError(f"step {step}: no good copy of {name} ({'; '.join(errors) or 'no tier holds it'})", step=step, path=name)
+
+    def _file_sources(self, rt: RankRuntime, name: str) -> list[Tier]:
+        out: list[Tier] = []
+        if name in self._in_memory:
+            out.append(rt.memory)
+        if rt.durable is not None:
+            out.append(rt.durable)
+        return out
+
+    def _record_for(self, name: str, req: ReadItem) -> layout.ItemRecord:
+        info = self._storage_data[req.storage_index]
+        rec = self._records.get((name, info.offset))
+        if rec is None or rec.length != info.length:
+            raise IntegrityError(f"{name}: item {req.storage_index.fqn} is not in the manifest")
+        return rec
+
+    def _apply(self, req: ReadItem, rec: layout.ItemRecord, raw: memoryview, planner: LoadPlanner) -> None:
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(bytes(raw)))
+            return
+        if rec.data_offset >= 0:
+            dtype, sizes = self._chunks[req.storage_index]
+            nbytes = _numel(sizes) * dtype.itemsize
+            if rec.data_offset + nbytes > len(raw):
+                raise IntegrityError(f"item {req.storage_index.fqn}: record shorter than its tensor")
+            if nbytes:
+                src = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes, offset=rec.data_offset)
+            else:
+                src = torch.empty(0, dtype=torch.uint8)
+            tensor = src.view(dtype).view(sizes)
+        else:
+            tensor = torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True)
+        for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            if off != 0 or length != tensor.size(dim):
+                tensor = tensor.narrow(dim, off, length)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise StateDictMismatchError(
+                f"{req.dest_index.fqn}: checkpoint holds {tuple(tensor.size())}, state dict expects {tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+
+def _fetch_file(tier: Tier, step: int, name: str, size: int) -> memoryview:
+    mapper = getattr(tier, "map_file", None)
+    if mapper is not None:
+        view = mapper(step, name)
+        if size >= 0 and len(view) != size:
+            raise IntegrityError(f"{tier.location(step)}/{name} holds {len(view)} bytes, the manifest says {size}")
+        return view
+    return tier.read_range(step, name, 0, size)
+
+
+def _numel(sizes: tuple[int, ...]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def _check_state_dict(state_dict: dict[str, Any], metadata: Metadata, step: int) -> None:
+    """Raise StateDictMismatchError when keys, shapes or kinds differ from the checkpoint."""
+    flat, _ = flatten_state_dict(state_dict)
+    saved = metadata.state_dict_metadata
+    missing = sorted(k for k in flat if k not in saved)
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    for key, value in flat.items():
+        md = saved.get(key)
+        if md is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            shape = tuple(value.size()) if not isinstance(value, DTensor) else tuple(value.shape)
+            if not isinstance(md, TensorStorageMetadata):
+                problems.append(f"{key}: the checkpoint holds an object, the state dict a tensor")
+            elif tuple(md.size) != shape:
+                problems.append(f"{key}: checkpoint shape {tuple(md.size)}, state dict shape {shape}")
+        elif isinstance(md, TensorStorageMetadata) and not isinstance(md, BytesStorageMetadata):
+            problems.append(f"{key}: the checkpoint holds a tensor, the state dict a {type(value).__name__}")
+    if problems:
+        raise StateDictMismatchError(
+            f"the state dict does not match step {step}: " + "; ".join(problems[:8]), step=step
+        )

@@ -1,0 +1,317 @@
+"""``TieredStorageWriter``: a PyTorch DCP StorageWriter over the memory and durable tiers.
+
+Call order (driven by ``dcp.save`` / ``dcp.async_save``):
+  every rank    reset(checkpoint_id)?  → storage_meta() → set_up_storage_writer(...)
+                → prepare_local_plan(plan)
+  coordinator   prepare_global_plan(plans)   picks the save id and each rank's file name
+  every rank    write_data(plan, planner)    copies into a shared-memory slot (raw bytes),
+                                             checksums each item, links the slot into the
+                                             memory tier's staging area and, when durable,
+                                             copies the file to the durable tier
+  coordinator   finish(metadata, results)    writes .metadata + manifest, then the marker:
+                                             memory first, then durable; then retention
+A durable failure never undoes the memory commit: finish commits memory, then raises
+DurableWriteError (DCP reports it wrapped in CheckpointException).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import time
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from tierckpt import layout
+from tierckpt.config import CheckpointConfig
+from tierckpt.errors import ConfigError, DurableWriteError, StorageError, TierckptError
+from tierckpt.observability import StepLogger, throughput
+from tierckpt.policy import DurablePolicy
+from tierckpt.record import ALIGN, TensorRecord, dumps_metadata, tensor_record
+from tierckpt.runtime import RankRuntime, runtime_for
+
+__all__ = ["TieredStorageWriter"]
+
+_tensor_record = lru_cache(maxsize=8192)(tensor_record)
+
+
+@dataclass(frozen=True)
+class _PlanData:
+    """Set on each rank's SavePlan by the coordinator."""
+
+    file_name: str
+    save_id: str
+    world_size: int
+
+
+@dataclass(frozen=True)
+class _ItemInfo:
+    """WriteResult.storage_data: DCP's storage info plus what the manifest needs."""
+
+    storage: _StorageInfo
+    data_offset: int
+    xxh3: str
+    file_size: int
+    durable_error: str | None = None
+
+
+class TieredStorageWriter(StorageWriter):
+    """Save a DCP checkpoint into tierckpt's tiers.
+
+    ``step`` wins; else the step is the last ``step_<N>`` component of ``path`` or of the
+    ``checkpoint_id`` given to ``dcp.save``. ``durable``: True/False force the durable copy,
+    None follows ``config.durable_every_n_steps``.
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        path: str | None = None,
+        step: int | None = None,
+        durable: bool | None = None,
+        *,
+        _runtime: RankRuntime | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(config, CheckpointConfig):
+            raise ConfigError("config must be a tierckpt.CheckpointConfig")
+        self.config = config
+        self.path = path
+        self._step = layout.validate_step(step) if step is not None else None
+        if self._step is None and path is not None:
+            self._step = layout.step_from_path(path)
+        self.durable_requested = durable
+        self._runtime = _runtime
+        self.rank = 0
+        self.is_coordinator = True
+        self.save_id: str | None = None
+        self.committed: tuple[bytes, bytes] | None = None  # (.metadata, manifest) after finish
+        self._plan_data: _PlanData | None = None
+        self._stage_seconds = 0.0
+
+    # -- identity -------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        if self._step is None:
+            raise TierckptError(
+                "no step for this save: pass step=N, a path ending in 'step_N', or "
+                "checkpoint_id='.../step_N' to dcp.save"
+            )
+        return self._step
+
+    @property
+    def durable(self) -> bool:
+        policy = DurablePolicy(self.config.durable_every_n_steps, self.config.durable_url is not None)
+        if self.durable_requested and self.config.durable_url is None:
+            raise ConfigError("durable=True but the config has no durable_url")
+        return policy.should_save(self.step, self.durable_requested)
+
+    @property
+    def runtime(self) -> RankRuntime:
+        if self._runtime is None:
+            self._runtime = runtime_for(self.config, self.rank)
+        return self._runtime
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return layout.step_from_path(checkpoint_id) is not None
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        if checkpoint_id is not None and self._step is None:
+            self._step = layout.step_from_path(checkpoint_id)
+            if self._step is None:
+                raise TierckptError(
+                    f"checkpoint_id {str(checkpoint_id)!r} names no step; end it with 'step_N'"
+                )
+        self.save_id = None
+        self.committed = None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.runtime_location())
+
+    def runtime_location(self) -> str:
+        return self.runtime.memory.location(self.step) if self._step is not None else ""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = int(rank)
+        _ = self.step  # fail before any collective if there is no step
+
+    # -- planning -------------------------------------------------------------------
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        save_id = uuid.uuid4().hex[:12]
+        return [
+            dataclasses.replace(
+                plan, storage_data=_PlanData(layout.data_file_name(i), save_id, len(plans))
+            )
+            for i, plan in enumerate(plans)
+        ]
+
+    # -- writing --------------------------------------------------------------------
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut: Future[list[WriteResult]] = Future()
+        try:
+            fut.set_result(self._write(plan, planner))
+        except BaseException as exc:  # DCP collects the failure from the future
+            fut.set_exception(exc)
+        return fut
+
+    def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        pd = plan.storage_data
+        if not isinstance(pd, _PlanData):
+            raise TierckptError("write_data called before prepare_global_plan assigned a file")
+        self._plan_data, self.save_id = pd, pd.save_id
+        rt, step, log = self.runtime, self.step, StepLogger("writer", self.rank, self.config.logger)
+        log.info(step, "Starting checkpoint write (%d items)", len(plan.items))
+        with rt.save_lock:
+            rt.in_flight.add(pd.save_id)
+            try:
+                return self._write_locked(plan, planner, pd, rt, step, log)
+            finally:
+                rt.in_flight.discard(pd.save_id)
+
+    def _write_locked(self, plan, planner, pd, rt, step, log):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        tensors, blobs, total = _layout(plan.items, planner)
+        slot = rt.pool.acquire(total)
+        try:
+            mv = memoryview(slot._mm) if slot._mm is not None else memoryview(bytearray())
+            buf = slot.buffer
+            assert buf is not None
+            spans: list[tuple[WriteItem, int, int, int]] = []  # item, offset, length, data_offset
+            for item, offset, rec in tensors:
+                src = planner.resolve_data(item)
+                mv[offset : offset + len(rec.prefix)] = rec.prefix
+                if rec.nbytes:
+                    start = offset + rec.data_offset
+                    dst = buf[start : start + rec.nbytes].view(src.dtype).view(src.shape)
+                    dst.copy_(src.detach())
+                end = offset + rec.data_offset + rec.nbytes
+                mv[end : end + len(rec.suffix)] = rec.suffix
+                spans.append((item, offset, rec.length, rec.data_offset))
+            for item, offset, data in blobs:
+                mv[offset : offset + len(data)] = data
+                spans.append((item, offset, len(data), -1))
+            self._stage_seconds = time.perf_counter() - t0
+            log.info(step, "In-memory staging completed in %s", throughput(total, self._stage_seconds))
+            digests = list(rt.executor.map(lambda s: layout.checksum(mv[s[1] : s[1] + s[2]]), spans))
+            del mv, buf
+            with log.timed(step, "In-memory write", total):
+                rt.memory.put_file(step, pd.save_id, pd.file_name, slot.path)
+            durable_error = None
+            if self.durable:
+                durable = rt.durable
+                assert durable is not None
+                try:
+                    with log.timed(step, f"Durable write ({durable.location(step)})", total):
+                        durable.put_file(step, pd.save_id, pd.file_name, slot.path)
+                except StorageError as exc:
+                    durable_error = str(exc)
+                    log.warning(step, "durable write failed: %s", exc)
+        finally:
+            rt.pool.release(slot)
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=length,
+                storage_data=_ItemInfo(
+                    _StorageInfo(pd.file_name, offset, length), data_offset, digest, total,
+                    durable_error,
+                ),
+            )
+            for (item, offset, length, data_offset), digest in zip(spans, digests)
+        ]
+
+    # -- commit ---------------------------------------------------------------------
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        rt, step, log = self.runtime, self.step, StepLogger("writer", self.rank, self.config.logger)
+        infos: dict[MetadataIndex, _ItemInfo] = {
+            wr.index: wr.storage_data for rank_results in results for wr in rank_results
+        }
+        save_id = self.save_id or (self._plan_data.save_id if self._plan_data else None)
+        if save_id is None:
+            raise TierckptError("finish called before write_data")
+        metadata.storage_data = {idx: info.storage for idx, info in infos.items()}
+        md_raw = dumps_metadata(metadata)
+        files = {info.storage.relative_path: info.file_size for info in infos.values()}
+        manifest = layout.Manifest(
+            namespace=self.config.namespace, step=step, save_id=save_id,
+            world_size=len(results), metadata_xxh3=layout.checksum(md_raw), files=files,
+            items=tuple(
+                layout.ItemRecord(i.storage.relative_path, i.storage.offset, i.storage.length, i.data_offset, i.xxh3)
+                for i in sorted(infos.values(), key=lambda i: (i.storage.relative_path, i.storage.offset))
+            ),
+        )
+        mf_raw = manifest.to_bytes()
+        small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
+        rt.memory.commit(step, save_id, small)
+        self.committed = (md_raw, mf_raw)
+        log.info(step, "Committed to memory (%s), metadata %d bytes", rt.memory.location(step), len(md_raw))
+        rt.apply_retention(rt.memory, rt.memory_retention)
+        if self.durable:
+            durable = rt.durable
+            assert durable is not None
+            failed = sorted({i.durable_error for i in infos.values() if i.durable_error})
+            if failed:
+                raise DurableWriteError(
+                    f"durable copy of step {step} failed on some rank (memory copy is committed): "
+                    + "; ".join(failed),
+                    tier="durable", step=step,
+                )
+            try:
+                durable.commit(step, save_id, small)
+            except StorageError as exc:
+                raise DurableWriteError(
+                    f"durable commit of step {step} failed (memory copy is committed): {exc}",
+                    tier="durable", step=step,
+                ) from exc
+            log.info(step, "Committed to durable (%s)", durable.location(step))
+            rt.apply_retention(durable, rt.durable_retention)
+
+
+def _layout(
+    items: Sequence[WriteItem], planner: SavePlanner
+) -> tuple[list[tuple[WriteItem, int, TensorRecord]], list[tuple[WriteItem, int, memoryview]], int]:
+    """Offsets of every record in the rank's file: tensors first, then byte items."""
+    offset = 0
+    tensors = []
+    for item in items:
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        td = item.tensor_data
+        assert td is not None
+        rec = _tensor_record(td.properties.dtype, tuple(td.chunk.sizes))
+        tensors.append((item, offset, rec))
+        offset = _align(offset + rec.length)
+    blobs = []
+    for item in items:
+        if item.type != WriteItemType.BYTE_IO:
+            continue
+        data = planner.resolve_data(item)
+        if not isinstance(data, io.BytesIO):
+            raise TierckptError(f"byte item {item.index.fqn} resolved to {type(data).__name__}")
+        view = data.getbuffer()
+        blobs.append((item, offset, view))
+        offset = _align(offset + len(view))
+    return tensors, blobs, offset
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN

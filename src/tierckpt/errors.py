@@ -1,0 +1,114 @@
+"""Errors raised by tierckpt: one root, context as attributes, an exit code for the CLI.
+
+    TierckptError                      root; every error tierckpt raises derives from it
+    ├── ConfigError (ValueError)       a bad setting: namespace, URL, step, budget field
+    ├── CheckpointNotFoundError (FileNotFoundError)
+    │                                  the asked-for step does not exist in any tier
+    ├── IntegrityError                 a copy failed its checksum and no good copy is left
+    ├── StateDictMismatchError (ValueError)
+    │                                  the state dict does not match the checkpoint
+    ├── MemoryBudgetError (MemoryError)
+    │                                  the memory tier cannot hold one step
+    ├── StorageError (OSError)         a tier's I/O failed (disk full, permission, network)
+    │   └── DurableWriteError          the durable copy of a step failed; memory is intact
+    └── ProtocolError                  peers disagree (world size, save ids) or broke the call order
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "DurableWriteError",
+    "IntegrityError",
+    "MemoryBudgetError",
+    "ProtocolError",
+    "StateDictMismatchError",
+    "StorageError",
+    "TierckptError",
+]
+
+
+class TierckptError(Exception):
+    """Root of every error tierckpt raises.
+
+    Context travels as attributes (``tier``, ``path``, ``rank``, ``step``) so callers
+    need not parse messages; ``exit_code`` is what the ``tierckpt`` command returns.
+    """
+
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tier: str | None = None,
+        path: str | None = None,
+        rank: int | None = None,
+        step: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.tier = tier
+        self.path = path
+        self.rank = rank
+        self.step = step
+
+    def __reduce__(self):  # keep context when errors cross process boundaries (DCP gathers them)
+        return (
+            _rebuild,
+            (type(self), self.message, self.tier, self.path, self.rank, self.step),
+        )
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _rebuild(cls, message, tier, path, rank, step):  # type: ignore[no-untyped-def]
+    return cls(message, tier=tier, path=path, rank=rank, step=step)
+
+
+class ConfigError(TierckptError, ValueError):
+    """A setting is invalid; the message names the field and the fix."""
+
+    exit_code = 2
+
+
+class CheckpointNotFoundError(TierckptError, FileNotFoundError):
+    """The asked-for step does not exist in any tier."""
+
+    exit_code = 3
+
+
+class IntegrityError(TierckptError):
+    """A stored copy failed verification and no good copy remains."""
+
+    exit_code = 4
+
+
+class StateDictMismatchError(TierckptError, ValueError):
+    """The state dict given to load does not match what the checkpoint holds."""
+
+    exit_code = 5
+
+
+class MemoryBudgetError(TierckptError, MemoryError):
+    """The memory tier cannot hold one step within its budget."""
+
+    exit_code = 6
+
+
+class StorageError(TierckptError, OSError):
+    """A tier's I/O failed."""
+
+    exit_code = 7
+
+
+class DurableWriteError(StorageError):
+    """The durable copy failed; the memory copy of the same step is intact."""
+
+
+class ProtocolError(TierckptError):
+    """Ranks disagree with each other, or an interface was called out of order."""
+
+    exit_code = 8

@@ -1,0 +1,288 @@
+"""A tier in a local directory: tmpfs for the memory tier, a disk or mount for durable.
+
+Commit is a directory rename: files go to ``.staging/step_N.<save_id>/``; the
+coordinator writes the small files and the marker there (fsynced when ``durable``), then
+renames the directory to ``step_N`` and fsyncs the parent. A crash at any point leaves
+either the old state or the new committed step, never a torn one.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import socket
+import uuid
+from pathlib import Path
+from typing import Mapping
+
+from tierckpt import layout
+from tierckpt.errors import CheckpointNotFoundError, StorageError
+from tierckpt.tiers.base import Source, StepListing
+
+__all__ = ["LocalTier"]
+
+_HOST = socket.gethostname()
+
+
+class LocalTier:
+    """A namespace under ``root``; ``durable`` adds fsyncs, else data files are hard-linked."""
+
+    def __init__(self, root: Path, namespace: str, *, name: str, durable: bool) -> None:
+        self.root = Path(root)
+        self.namespace = namespace
+        self.name = name
+        self.durable = durable
+        self.ns_dir = self.root / namespace
+
+    # -- naming -----------------------------------------------------------------
+    def location(self, step: int | None = None) -> str:
+        if step is None:
+            return str(self.ns_dir)
+        return str(self.ns_dir / layout.step_dir_name(step))
+
+    def step_dir(self, step: int) -> Path:
+        return self.ns_dir / layout.step_dir_name(step)
+
+    def staging_dir(self, step: int, save_id: str) -> Path:
+        return self.ns_dir / layout.STAGING / layout.staging_dir_name(step, save_id)
+
+    # -- reads --------------------------------------------------------------------
+    def list_steps(self, *, include_uncommitted: bool = False) -> list[StepListing]:
+        try:
+            names = os.listdir(self.ns_dir)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._error("list", self.ns_dir, exc) from exc
+        out = []
+        for entry in names:
+            step = layout.parse_step_dir(entry)
+            if step is None:
+                continue
+            d = self.ns_dir / entry
+            committed = (d / layout.MARKER).is_file()
+            if not (committed or include_uncommitted):
+                continue
+            files = {}
+            try:
+                for f in os.scandir(d):
+                    if f.is_file():
+                        files[f.name] = f.stat().st_size
+            except FileNotFoundError:
+                continue  # deleted while listing
+            out.append(StepListing(step=step, committed=committed, files=files))
+        return sorted(out, key=lambda s: s.step)
+
+    def read_file(self, step: int, name: str) -> bytes:
+        path = self.step_dir(step) / name
+        try:
+            return path.read_bytes()
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{path} does not exist", tier=self.name, path=str(path), step=step
+            ) from exc
+        except OSError as exc:
+            raise self._error("read", path, exc, step) from exc
+
+    def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
+        path = self.step_dir(step) / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if offset + length > size:
+                    raise StorageError(
+                        f"{path} holds {size} bytes; bytes {offset}..{offset + length} were asked for",
+                        tier=self.name, path=str(path), step=step,
+                    )
+                if length == 0:
+                    return memoryview(b"")
+                # one mapping per file would be cheaper for many items; see map_file
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY
+                mm = mmap.mmap(f.fileno(), length + offset - start, access=mmap.ACCESS_COPY, offset=start)
+                return memoryview(mm)[offset - start :]
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{path} does not exist", tier=self.name, path=str(path), step=step
+            ) from exc
+        except OSError as exc:
+            if isinstance(exc, StorageError):
+                raise
+            raise self._error("read", path, exc, step) from exc
+
+    def map_file(self, step: int, name: str) -> memoryview:
+        """The whole file, mapped read-only (callers slice it per item)."""
+        path = self.step_dir(step) / name
+        try:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size == 0:
+                    return memoryview(b"")
+                return memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY))  # writable view, never written back
+        except FileNotFoundError as exc:
+            raise CheckpointNotFoundError(
+                f"{path} does not exist", tier=self.name, path=str(path), step=step
+            ) from exc
+        except OSError as exc:
+            raise self._error("read", path, exc, step) from exc
+
+    # -- writes -------------------------------------------------------------------
+    def put_file(self, step: int, save_id: str, name: str, source: Source) -> None:
+        staging = self.staging_dir(step, save_id)
+        dest = staging / name
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            (staging / f".owner-{_HOST}-{os.getpid()}").touch()
+            if isinstance(source, Path):
+                if not self.durable:
+                    try:
+                        _replace_link(source, dest)
+                        return
+                    except OSError as exc:
+                        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
+                            raise
+                tmp = dest.with_name(f".{name}.tmp-{uuid.uuid4().hex[:8]}")
+                _copy_file(source, tmp, fsync=self.durable)
+                os.replace(tmp, dest)
+            else:
+                _write_bytes(dest, source, fsync=self.durable)
+        except OSError as exc:
+            raise self._error("write", dest, exc, step) from exc
+
+    def commit(self, step: int, save_id: str, files: Mapping[str, bytes]) -> None:
+        if layout.MANIFEST not in files:
+            raise ValueError("commit needs the manifest among its files")
+        staging = self.staging_dir(step, save_id)
+        final = self.step_dir(step)
+        try:
+            staging.mkdir(parents=True, exist_ok=True)
+            for name, raw in files.items():
+                _write_bytes(staging / name, raw, fsync=self.durable)
+            for owner in staging.glob(".owner-*"):
+                owner.unlink(missing_ok=True)
+            _write_bytes(
+                staging / layout.MARKER,
+                layout.marker_bytes(save_id, files[layout.MANIFEST]),
+                fsync=self.durable,
+            )
+            if self.durable:
+                _fsync_dir(staging)
+            if final.exists():  # a re-save of the same step replaces the old copy
+                self._to_trash(final)
+            os.rename(staging, final)
+            if self.durable:
+                _fsync_dir(self.ns_dir)
+        except OSError as exc:
+            raise self._error("commit", final, exc, step) from exc
+
+    def delete(self, step: int) -> None:
+        final = self.step_dir(step)
+        try:
+            (final / layout.MARKER).unlink()
+            if self.durable:
+                _fsync_dir(final)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._error("delete", final, exc, step) from exc
+        if final.exists():
+            self._to_trash(final)
+
+    def abort(self, step: int, save_id: str) -> None:
+        """Drop a save's staging directory (nothing visible changes)."""
+        shutil.rmtree(self.staging_dir(step, save_id), ignore_errors=True)
+
+    def gc_staging(self, *, keep: set[str] = frozenset()) -> list[str]:
+        """Remove staging directories whose writers on this host are all dead; return their names.
+
+        ``keep`` holds save ids in progress. A directory another host owns is left alone.
+        """
+        removed = []
+        base = self.ns_dir / layout.STAGING
+        try:
+            entries = list(os.scandir(base))
+        except FileNotFoundError:
+            return removed
+        for entry in entries:
+            if entry.name.rsplit(".", 1)[-1] in keep:
+                continue
+            owners = [p.name for p in Path(entry.path).glob(".owner-*")]
+            live = [o for o in owners if _owner_alive(o)]
+            if not live:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.name)
+        shutil.rmtree(self.ns_dir / layout.TRASH, ignore_errors=True)
+        return removed
+
+    # -- helpers ------------------------------------------------------------------
+    def _to_trash(self, path: Path) -> None:
+        trash = self.ns_dir / layout.TRASH
+        trash.mkdir(parents=True, exist_ok=True)
+        target = trash / f"{path.name}.{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(path, target)
+        except FileNotFoundError:
+            return  # someone else removed it first
+        shutil.rmtree(target, ignore_errors=True)
+
+    def _error(self, what: str, path: Path, exc: OSError, step: int | None = None) -> StorageError:
+        hint = ""
+        if exc.errno == errno.ENOSPC:
+            hint = ": no space left; free space or lower retention"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            hint = ": permission denied; check the directory's owner and mode"
+        return StorageError(
+            f"{self.name} tier could not {what} {path}{hint} ({exc.strerror or exc})",
+            tier=self.name, path=str(path), step=step,
+        )
+
+
+def _owner_alive(owner_name: str) -> bool:
+    host, _, pid = owner_name[len(".owner-") :].rpartition("-")
+    if host != _HOST:
+        return True  # cannot tell from here: leave it to that host
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def _replace_link(source: Path, dest: Path) -> None:
+    tmp = dest.with_name(f".{dest.name}.lnk-{uuid.uuid4().hex[:8]}")
+    os.link(source, tmp)
+    os.replace(tmp, dest)
+
+
+def _write_bytes(path: Path, data: bytes | bytearray | memoryview, *, fsync: bool) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _copy_file(source: Path, dest: Path, *, fsync: bool) -> None:
+    with open(source, "rb") as src, open(dest, "wb") as dst:
+        size = os.fstat(src.fileno()).st_size
+        copied = 0
+        while copied < size:  # kernel-side copy: no pass through Python buffers
+            n = os.sendfile(dst.fileno(), src.fileno(), copied, min(size - copied, 1 << 30))
+            if n == 0:
+                raise OSError(errno.EIO, f"short copy of {source}")
+            copied += n
+        if fsync:
+            os.fsync(dst.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
