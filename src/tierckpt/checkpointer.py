@@ -13,14 +13,15 @@ Durable drains run collectives on a dedicated gloo group, never the training gro
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
-import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -256,7 +257,7 @@ class Checkpointer:
             )
             t0 = time.perf_counter()
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), _quiet_dcp_fallback():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     dcp.load(state_dict, storage_reader=reader, process_group=self.group)
             except CheckpointException as exc:
@@ -299,6 +300,21 @@ def _unwrap(exc: CheckpointException) -> BaseException:
     return exc
 
 
+@contextlib.contextmanager
+def _quiet_dcp_fallback() -> Iterator[None]:
+    """DCP logs a traceback when read_metadata raises; tierckpt reports that error itself."""
+    dcp_logger = logging.getLogger("torch.distributed.checkpoint.state_dict_loader")
+
+    def drop(record: logging.LogRecord) -> bool:
+        return "metadata is not found" not in record.getMessage()
+
+    dcp_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        dcp_logger.removeFilter(drop)
+
+
 def _chain(src: Future[None], dst: Future[None]) -> None:
     err = src.exception()
     if err is None:
@@ -306,5 +322,3 @@ def _chain(src: Future[None], dst: Future[None]) -> None:
     else:
         dst.set_exception(err)
 
-
-_ = threading  # the drain executor's worker thread owns the drain group's collectives

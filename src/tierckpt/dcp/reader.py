@@ -34,6 +34,7 @@ from torch.futures import Future
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import Availability, choose_step, gather
+from tierckpt.integrity import fetch_file, sealed_manifest, verify_items
 from tierckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -166,24 +167,13 @@ class TieredStorageReader(StorageReader):
         return Availability(self.rank, memory, files, durable, bad)
 
     def _sealed_manifest(self, tier: Tier, step: int) -> layout.Manifest:
-        where = tier.location(step)
-        mf_raw = tier.read_file(step, layout.MANIFEST)
-        layout.check_marker(tier.read_file(step, layout.MARKER), mf_raw, where=where)
-        manifest = layout.Manifest.from_bytes(mf_raw, where=f"{where}/{layout.MANIFEST}")
-        if manifest.namespace != self.config.namespace or manifest.step != step:
-            raise IntegrityError(f"{where}: manifest belongs to {manifest.namespace}/step_{manifest.step}")
-        return manifest
+        return sealed_manifest(tier, step, self.config.namespace)
 
     def _verify_file(self, tier: Tier, manifest: layout.Manifest, name: str, present: frozenset[str]) -> None:
-        if name not in present:
-            return
         records = [r for r in manifest.items if r.file == name]
-        if not records:
-            return
-        view = _fetch_file(tier, manifest.step, name, manifest.files[name])
-        for r in records:
-            if layout.checksum(view[r.offset : r.offset + r.length]) != r.xxh3:
-                raise IntegrityError(f"{tier.location(manifest.step)}/{name}: item at {r.offset} fails its checksum")
+        if name in present and records:
+            view = fetch_file(tier, manifest.step, name, manifest.files[name])
+            verify_items(view, records, f"{tier.location(manifest.step)}/{name}", self.runtime.executor.map)
 
     def _read_verified_metadata(self, rt: RankRuntime, step: int) -> Metadata:
         errors = []
@@ -252,12 +242,9 @@ class TieredStorageReader(StorageReader):
         errors = []
         for tier in self._file_sources(rt, name):
             try:
-                view = _fetch_file(tier, step, name, self._manifest.files.get(name, -1))
+                view = fetch_file(tier, step, name, self._manifest.files.get(name, -1))
                 records = [self._record_for(name, req) for req in reqs]
-                digests = rt.executor.map(lambda r: layout.checksum(view[r.offset : r.offset + r.length]), records)
-                for r, digest in zip(records, digests):
-                    if digest != r.xxh3:
-                        raise IntegrityError(f"{tier.location(step)}/{name}: item at offset {r.offset} fails its checksum")
+                verify_items(view, records, f"{tier.location(step)}/{name}", rt.executor.map)
                 for req, r in zip(reqs, records):
                     self._apply(req, r, view[r.offset : r.offset + r.length], planner)
                 self.tiers_used[name] = tier.name
@@ -308,16 +295,6 @@ class TieredStorageReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
-
-
-def _fetch_file(tier: Tier, step: int, name: str, size: int) -> memoryview:
-    mapper = getattr(tier, "map_file", None)
-    if mapper is not None:
-        view = mapper(step, name)
-        if size >= 0 and len(view) != size:
-            raise IntegrityError(f"{tier.location(step)}/{name} holds {len(view)} bytes, the manifest says {size}")
-        return view
-    return tier.read_range(step, name, 0, size)
 
 
 def _numel(sizes: tuple[int, ...]) -> int:
