@@ -303,7 +303,7 @@ def _unwrap(exc: CheckpointException) -> BaseException:
 @contextlib.contextmanager
 def _quiet_dcp_fallback() -> Iterator[None]:
     """DCP logs a traceback when read_metadata raises; tierckpt reports that error itself."""
-    dcp_logger = logging.getLogger("torch.distributed.checkpoint.state_dict_loader")
+    dcp_logger = logging.getLogger()  # DCP's state_dict_loader logs on the root logger
 
     def drop(record: logging.LogRecord) -> bool:
         return "metadata is not found" not in record.getMessage()
