@@ -1,0 +1,1 @@
+"""Helpers shared by tierckpt's test suites (real processes, real files; no mocks)."""
