@@ -39,7 +39,7 @@ __all__ = [
     "StateDictMismatchError",
     "StepInfo",
     "StorageError",
+    "TierckptError",
     "TieredStorageReader",
     "TieredStorageWriter",
-    "TierckptError",
 ]

@@ -14,7 +14,7 @@ from typing import Mapping, Sequence
 
 import torch.distributed as dist
 
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
 
 __all__ = ["Availability", "Choice", "choose_step", "gather"]
 
@@ -27,6 +27,7 @@ class Availability:
     files    step → every file the step's manifest lists (known from memory manifests)
     durable  committed durable steps (filled in by rank 0 only)
     bad      step → why this rank's memory copy was rejected
+    durable_error  why rank 0 could not list the durable tier (None when it could)
     """
 
     rank: int
@@ -34,6 +35,7 @@ class Availability:
     files: Mapping[int, frozenset[str]] = field(default_factory=dict)
     durable: frozenset[int] | None = None
     bad: Mapping[int, str] = field(default_factory=dict)
+    durable_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,16 @@ def choose_step(
     CheckpointNotFoundError; one that exists but is not loadable by every rank → IntegrityError.
     """
     durable: frozenset[int] = frozenset()
+    durable_error = None
     for a in avail:
         if a.durable is not None:
             durable = a.durable
+        durable_error = durable_error or a.durable_error
+
+    def unreachable() -> None:
+        # never report "nothing to load" while a tier that may hold it cannot be read
+        if durable_error is not None:
+            raise StorageError(f"no step can be loaded from memory and the durable tier is unavailable: {durable_error}")
     files: dict[int, frozenset[str]] = {}
     for a in avail:
         files.update(a.files)
@@ -87,6 +96,7 @@ def choose_step(
 
     if requested is not None:
         if requested not in seen:
+            unreachable()
             raise CheckpointNotFoundError(
                 f"step {requested} of namespace {namespace!r} does not exist in any tier",
                 step=requested,
@@ -104,6 +114,7 @@ def choose_step(
         if reason is None:
             return Choice(step, tuple(skipped))
         skipped.append((step, reason))
+    unreachable()
     if skipped:
         raise IntegrityError(
             f"no step of namespace {namespace!r} can be loaded completely: "

@@ -157,14 +157,17 @@ class TieredStorageReader(StorageReader):
                 continue
             memory[listing.step] = present
             files[listing.step] = frozenset(manifest.files)
-        durable = None
+        durable, durable_error = None, None
         if self.rank == 0 and rt.durable is not None:
-            durable = frozenset(
-                s.step for s in rt.durable.list_steps()
-                if s.step not in self.exclude and (self.requested is None or s.step == self.requested)
-            )
-            self._durable_steps = durable
-        return Availability(self.rank, memory, files, durable, bad)
+            try:
+                durable = frozenset(
+                    s.step for s in rt.durable.list_steps()
+                    if s.step not in self.exclude and (self.requested is None or s.step == self.requested)
+                )
+            except StorageError as exc:
+                self._log.warning(None, "durable tier unavailable, using memory only: %s", exc)
+                durable, durable_error = frozenset(), str(exc)
+        return Availability(self.rank, memory, files, durable, bad, durable_error)
 
     def _sealed_manifest(self, tier: Tier, step: int) -> layout.Manifest:
         return sealed_manifest(tier, step, self.config.namespace)
@@ -177,7 +180,7 @@ class TieredStorageReader(StorageReader):
 
     def _read_verified_metadata(self, rt: RankRuntime, step: int) -> Metadata:
         errors = []
-        for tier in self._tiers_for(rt, step):
+        for tier in self._file_sources(rt, None):
             try:
                 manifest = self._sealed_manifest(tier, step)
                 md_raw = tier.read_file(step, layout.METADATA)
@@ -193,13 +196,6 @@ class TieredStorageReader(StorageReader):
                 errors.append(f"{tier.name}: {exc}")
         raise IntegrityError(f"step {step}: no readable metadata ({'; '.join(errors) or 'no tier holds it'})", step=step)
 
-    def _tiers_for(self, rt: RankRuntime, step: int) -> list[Tier]:
-        tiers: list[Tier] = []
-        if self._in_memory:
-            tiers.append(rt.memory)
-        if rt.durable is not None:
-            tiers.append(rt.durable)
-        return tiers
 
     # -- planning -------------------------------------------------------------------
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -254,9 +250,10 @@ class TieredStorageReader(StorageReader):
                 errors.append(f"{tier.name}: {exc}")
         raise IntegrityError(f"step {step}: no good copy of {name} ({'; '.join(errors) or 'no tier holds it'})", step=step, path=name)
 
-    def _file_sources(self, rt: RankRuntime, name: str) -> list[Tier]:
+    def _file_sources(self, rt: RankRuntime, name: str | None) -> list[Tier]:
+        """Tiers to try for a data file (or, with None, for the step's metadata), fastest first."""
         out: list[Tier] = []
-        if name in self._in_memory:
+        if (name in self._in_memory) if name is not None else bool(self._in_memory):
             out.append(rt.memory)
         if rt.durable is not None:
             out.append(rt.durable)
