@@ -3,12 +3,17 @@
 Call order (every rank, same order, same arguments):
   ck = Checkpointer(config)          one all_gather to learn which ranks share a node
   step = ck.load(state_dict)         agreed step loaded in place, or None when nothing exists
-  handle = ck.save(step, state_dict) returns once the step is committed in memory; a durable
-                                     copy (config policy or durable=True) drains in a
-                                     background thread, one save at a time, in save order
+  handle = ck.save(step, state_dict) returns once the state is copied into shared memory
+                                     (the only part that blocks training); a background
+                                     committer then plans (cached), checksums and commits the
+                                     step in memory; a durable copy (config policy or
+                                     durable=True) drains after that in a second thread.
+                                     One save is in flight per rank: the next save waits for
+                                     the previous memory commit.
   ck.wait()                          every save so far committed (and durable when asked)
   ck.close()                         waits, then releases slots and threads
-Durable drains run collectives on a dedicated gloo group, never the training group.
+Background commits and drains run their collectives on two dedicated gloo groups, never on
+the training group, in the same order on every rank.
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.stateful import Stateful
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
@@ -39,9 +46,10 @@ from tierckpt.errors import (
     IntegrityError,
     TierckptError,
 )
-from tierckpt.observability import StepLogger
+from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
 from tierckpt.runtime import RankRuntime
+from tierckpt.snapshot import Snapshot
 
 __all__ = ["Checkpointer", "SaveHandle", "StepInfo"]
 
@@ -60,10 +68,14 @@ class SaveHandle:
     def __init__(self, step: int, durable: bool, blocking_s: float) -> None:
         self.step = step
         self.durable = durable
-        self.blocking_s = blocking_s
+        self.blocking_s = blocking_s  #: seconds ``save`` blocked (the copy into shared memory)
+        self.staged = True  #: the state is copied: the caller may change its tensors now
+        self._memory: Future[None] = Future()
         self._future: Future[None] = Future()
-        if not durable:
-            self._future.set_result(None)
+
+    def memory_committed(self, timeout: float | None = None) -> None:
+        """Wait until the step is committed in the memory tier; re-raise a failure."""
+        self._memory.result(timeout)
 
     def done(self) -> bool:
         return self._future.done()
@@ -94,9 +106,12 @@ class Checkpointer:
         self.policy = DurablePolicy(config.durable_every_n_steps, config.durable_url is not None)
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._handles: list[SaveHandle] = []
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._drainer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-drain")
+        self._inflight: Future[None] | None = None
         self._closed = False
         self.node_leader, self.shares_coordinator_node = True, True
+        self._commit_group: dist.ProcessGroup | None = None
         self._drain_group: dist.ProcessGroup | None = None
         if self.distributed and self.world_size > 1:
             me = (socket.gethostname(), os.path.realpath(config.memory_dir))
@@ -105,8 +120,9 @@ class Checkpointer:
             self.node_leader = nodes.index(me) == self.rank
             self.shares_coordinator_node = nodes[0] == me
             self.multi_node = len(set(nodes)) > 1
+            ranks = dist.get_process_group_ranks(process_group) if process_group else None
+            self._commit_group = dist.new_group(ranks=ranks, backend="gloo")
             if config.durable_url is not None:
-                ranks = dist.get_process_group_ranks(process_group) if process_group else None
                 self._drain_group = dist.new_group(ranks=ranks, backend="gloo")
         else:
             self.multi_node = False
@@ -131,36 +147,64 @@ class Checkpointer:
                 self.wait()
         finally:
             self._closed = True
+            self._committer.shutdown(wait=True)
             self._drainer.shutdown(wait=True)
             self.runtime.close()
 
     # -- save -------------------------------------------------------------------------
     def save(self, step: int, state_dict: dict[str, Any], durable: bool | None = None) -> SaveHandle:
-        """Commit ``state_dict`` as ``step`` in memory; queue the durable copy if it is due."""
+        """Copy ``state_dict`` into shared memory and return; commit and drain in the background."""
         self._check_open()
         layout.validate_step(step)
         if durable and self.config.durable_url is None:
             raise ConfigError("durable=True but the config has no durable_url")
         go_durable = self.policy.should_save(step, durable)
-        writer = TieredStorageWriter(self.config, step=step, durable=False, _runtime=self.runtime)
+        self._wait_inflight(step)
         t0 = time.perf_counter()
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                dcp.save(state_dict, storage_writer=writer, planner=self._planner, process_group=self.group)
-        except CheckpointException as exc:
-            raise _unwrap(exc) from None
-        small = self._commit_other_nodes(writer)
+        snap = self.runtime.stager.stage({k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()})
+        snap.wait_copied()
         blocking = time.perf_counter() - t0
-        self.log.info(step, "save returned after %.3fs (memory committed%s)", blocking, ", durable queued" if go_durable else "")
+        self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",
+                      snap.nbytes, throughput(snap.nbytes, blocking))
         handle = SaveHandle(step, go_durable, blocking)
-        if go_durable:
-            assert writer._plan_data is not None
-            pin = self._pin(step, writer._plan_data.file_name, writer._plan_data.save_id)
-            future = self._drainer.submit(self._drain, step, writer._plan_data, pin, small)
-            future.add_done_callback(lambda f: _chain(f, handle._future))
+        self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         return handle
+
+    def _wait_inflight(self, step: int | None) -> None:
+        inflight = self._inflight
+        if inflight is not None and not inflight.done():
+            self.log.info(step, "waiting for the previous save to commit (one save in flight per rank)")
+        if inflight is not None:
+            inflight.exception()  # failures belong to that save's handle
+
+    def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
+        writer = TieredStorageWriter(self.config, step=step, durable=False, _runtime=self.runtime)
+        writer._snapshot = snap
+        try:
+            try:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.save(snap.state_dict, storage_writer=writer, planner=self._planner,
+                             process_group=self._commit_group)
+            except CheckpointException as exc:
+                raise _unwrap(exc) from None
+            small = self._commit_other_nodes(writer)
+        except BaseException as exc:
+            if writer._snapshot is not None:  # failed before write_data took the slot
+                self.runtime.stager.release(snap)
+            self.log.warning(step, "save failed: %s", exc)
+            handle._memory.set_exception(exc)
+            handle._future.set_exception(exc)
+            return
+        handle._memory.set_result(None)
+        if not go_durable:
+            handle._future.set_result(None)
+            return
+        assert writer._plan_data is not None
+        pins = [self._pin(step, name, writer._plan_data.save_id) for name in writer.files_written]
+        future = self._drainer.submit(self._drain, step, writer._plan_data, pins, small)
+        future.add_done_callback(lambda f: _chain(f, handle._future))
 
     def _commit_other_nodes(self, writer: TieredStorageWriter) -> tuple[bytes, bytes] | None:
         """Make the step visible in every node's memory tier, not just the coordinator's."""
@@ -168,7 +212,8 @@ class Checkpointer:
         if not self.multi_node:
             return small
         box = [small]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        group = self._commit_group
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         small = box[0]
         assert small is not None and writer._plan_data is not None
         if self.node_leader and not self.shares_coordinator_node:
@@ -178,33 +223,34 @@ class Checkpointer:
             rt.apply_retention(rt.memory, rt.memory_retention)
         return small
 
-    def _pin(self, step: int, name: str, save_id: str) -> str:
-        """Hard-link the data file so retention cannot recycle its slot before the drain."""
+    def _pin(self, step: int, name: str, save_id: str) -> tuple[str, str]:
+        """Hard-link a data file so retention cannot recycle its slot before the drain."""
         pins = self.runtime.memory.ns_dir / layout.PINS
         pins.mkdir(parents=True, exist_ok=True)
         pin = pins / f"{layout.step_dir_name(step)}.{save_id}.{name}.p{os.getpid()}"
         source = self.runtime.memory.step_dir(step) / name
         if source.exists():
             os.link(source, pin)
-        return str(pin)
+        return name, str(pin)
 
-    def _drain(self, step: int, pd: Any, pin: str, small: tuple[bytes, bytes] | None) -> None:
+    def _drain(self, step: int, pd: Any, pins: list[tuple[str, str]], small: tuple[bytes, bytes] | None) -> None:
         rt, durable = self.runtime, self.runtime.durable
         assert durable is not None
         error: str | None = None
         t0 = time.perf_counter()
         try:
-            from pathlib import Path
-
-            if os.path.exists(pin):
-                durable.put_file(step, pd.save_id, pd.file_name, Path(pin))
+            for name, pin in pins:
+                if not os.path.exists(pin):
+                    raise DurableWriteError(f"{name} of step {step} vanished from the memory tier before its drain")
+                durable.put_file(step, pd.save_id, name, Path(pin))
         except Exception as exc:  # reported to every rank below, then raised on the handle
             error = f"rank {self.rank}: {exc}"
         finally:
-            try:
-                os.unlink(pin)
-            except FileNotFoundError:
-                pass
+            for _, pin in pins:
+                try:
+                    os.unlink(pin)
+                except FileNotFoundError:
+                    pass
         errors = [error]
         if self._drain_group is not None:
             errors = [None] * self.world_size
@@ -247,7 +293,8 @@ class Checkpointer:
         self._check_open()
         if step is not None:
             layout.validate_step(step)
-        for h in self._handles:  # a load after a save sees that save's durable copy
+        self._wait_inflight(step)  # a load after a save sees that save
+        for h in self._handles:  # ... and its durable copy
             h._future.exception()
         excluded: list[int] = []
         while True:

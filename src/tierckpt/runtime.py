@@ -15,6 +15,7 @@ from tierckpt.config import CheckpointConfig
 from tierckpt.errors import StorageError
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
+from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
 
@@ -38,6 +39,7 @@ class RankRuntime:
             evict=self.evict_oldest,
             gc=lambda: self.memory.gc_staging(keep=set(self.in_flight)),
         )
+        self.stager = Stager(self.pool)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierckpt-io")
         self.save_lock = threading.Lock()
         self.memory_retention = RetentionPolicy(config.memory_steps_retained)
@@ -74,6 +76,7 @@ class RankRuntime:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+        self.stager.close()
         self.pool.close()
         closer = getattr(self._durable, "close", None)
         if closer is not None:

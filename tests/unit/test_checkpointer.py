@@ -73,6 +73,7 @@ def test_slots_are_reused(cfg: CheckpointConfig, shm_root: Path) -> None:
     with Checkpointer(cfg.replace(durable_url=None)) as ck:
         for s in range(12):
             ck.save(s, state(s))
+        ck.wait()
         slots = list((shm_root / "unit" / ".slots" / "rank_0").iterdir())
         assert len(slots) == cfg.memory_steps_retained + 1
         assert sorted(i.step for i in ck.steps()) == [10, 11]
@@ -95,7 +96,7 @@ def test_survives_the_death_of_the_writer(cfg: CheckpointConfig) -> None:
 import torch, tierckpt, os
 cfg = tierckpt.CheckpointConfig(namespace="unit", memory_dir={cfg.memory_dir!r})
 ck = tierckpt.Checkpointer(cfg)
-ck.save(42, {{"w": torch.arange(1000, dtype=torch.float32)}})
+ck.save(42, {{"w": torch.arange(1000, dtype=torch.float32)}}).memory_committed()
 os._exit(0)  # no clean-up at all
 """
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
@@ -138,6 +139,7 @@ def test_memory_budget(cfg: CheckpointConfig) -> None:
     with Checkpointer(cfg.replace(memory_budget_bytes=3 * 20_000, memory_steps_retained=5, durable_url=None)) as ck:
         for s in range(6):  # the budget holds fewer steps than retention asks for: oldest evicted
             ck.save(s, state(s))
+        ck.wait()
         steps = [i.step for i in ck.steps()]
         assert steps[-1] == 5 and len(steps) < 5
         out = blank()
@@ -176,7 +178,7 @@ def test_flipped_memory_byte_falls_back_to_durable(cfg: CheckpointConfig, shm_ro
 def test_latest_falls_back_to_older_step(cfg: CheckpointConfig, shm_root: Path, caplog) -> None:
     with Checkpointer(cfg.replace(durable_url=None)) as ck:
         ck.save(1, state(1))
-        ck.save(2, state(2))
+        ck.save(2, state(2)).memory_committed()
         flip_byte(shm_root / "unit" / "step_2" / "__0_0.distcp", 500)
         out = blank()
         with caplog.at_level(logging.WARNING, logger="tierckpt"):
@@ -191,7 +193,7 @@ def test_latest_falls_back_to_older_step(cfg: CheckpointConfig, shm_root: Path, 
 def test_damaged_small_files(cfg: CheckpointConfig, shm_root: Path, victim: str) -> None:
     with Checkpointer(cfg.replace(durable_url=None)) as ck:
         ck.save(1, state(1))
-        ck.save(2, state(2))
+        ck.save(2, state(2)).memory_committed()
         flip_byte(shm_root / "unit" / "step_2" / victim, 5)
         out = blank()
         assert ck.load(out) == 1
@@ -206,6 +208,35 @@ def test_logs_in_the_seed_format(cfg: CheckpointConfig, caplog) -> None:
     lines = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("[Rank 0] Step 3: In-memory write completed in") and "MB/s" in m for m in lines)
     assert any(r.name == "my.training" for r in caplog.records)
+
+
+def test_save_blocks_only_for_the_copy_and_commits_in_the_background(cfg: CheckpointConfig, shm_root: Path) -> None:
+    with Checkpointer(cfg.replace(durable_url=None)) as ck:
+        handle = ck.save(1, state(1))
+        assert handle.staged and handle.blocking_s > 0
+        handle.memory_committed(timeout=60)
+        assert (shm_root / "unit" / "step_1" / "COMMITTED").exists()
+        assert handle.done()
+
+
+def test_dtensor_free_nested_lists_and_stateful(cfg: CheckpointConfig) -> None:
+    class App:
+        def __init__(self, v: float) -> None:
+            self.t = torch.full((4,), v)
+
+        def state_dict(self) -> dict:
+            return {"t": self.t}
+
+        def load_state_dict(self, sd: dict) -> None:
+            self.t.copy_(sd["t"])
+
+    sd = {"app": App(3.0), "layers": [torch.arange(3), {"k": torch.ones(2, 2)}], "pair": (1, "x")}
+    with Checkpointer(cfg.replace(durable_url=None)) as ck:
+        ck.save(1, sd)
+        out = {"app": App(0.0), "layers": [torch.zeros(3, dtype=torch.int64), {"k": torch.zeros(2, 2)}], "pair": None}
+        assert ck.load(out) == 1
+    assert torch.equal(out["app"].t, torch.full((4,), 3.0)) and torch.equal(out["layers"][0], torch.arange(3))
+    assert torch.equal(out["layers"][1]["k"], torch.ones(2, 2)) and out["pair"] == (1, "x")
 
 
 def test_closed_checkpointer_refuses(cfg: CheckpointConfig) -> None:

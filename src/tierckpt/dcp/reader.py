@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
@@ -303,7 +304,7 @@ def _numel(sizes: tuple[int, ...]) -> int:
 
 def _check_state_dict(state_dict: dict[str, Any], metadata: Metadata, step: int) -> None:
     """Raise StateDictMismatchError when keys, shapes or kinds differ from the checkpoint."""
-    flat, _ = flatten_state_dict(state_dict)
+    flat, _ = flatten_state_dict({k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()})
     saved = metadata.state_dict_metadata
     missing = sorted(k for k in flat if k not in saved)
     problems = []

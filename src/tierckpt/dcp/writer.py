@@ -36,7 +36,9 @@ from tierckpt.config import CheckpointConfig
 from tierckpt.errors import ConfigError, DurableWriteError, StorageError, TierckptError
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
-from tierckpt.record import ALIGN, TensorRecord, dumps_metadata, tensor_record
+from tierckpt.record import ALIGN, dumps_metadata, tensor_record
+from tierckpt.snapshot import Snapshot
+from tierckpt.tiers import Source
 from tierckpt.runtime import RankRuntime, runtime_for
 
 __all__ = ["TieredStorageWriter"]
@@ -97,6 +99,9 @@ class TieredStorageWriter(StorageWriter):
         self.committed: tuple[bytes, bytes] | None = None  # (.metadata, manifest) after finish
         self._plan_data: _PlanData | None = None
         self._stage_seconds = 0.0
+        self._snapshot: Snapshot | None = None
+        self.files_written: list[str] = []
+        self._synchronize_after_execute = False  # stage() returns only once the copy landed
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -151,6 +156,27 @@ class TieredStorageWriter(StorageWriter):
         self.rank = int(rank)
         _ = self.step  # fail before any collective if there is no step
 
+    # -- AsyncStager (dcp.async_save blocks only for this copy) ------------------------
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Copy ``state_dict`` into a shared-memory slot; return the state dict DCP will save."""
+        t0 = time.perf_counter()
+        rt = self.runtime
+        snap = rt.stager.stage(state_dict)
+        snap.wait_copied()
+        self._snapshot = snap
+        self._stage_seconds = time.perf_counter() - t0
+        return snap.state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns after the copy."""
+
+    def close(self) -> None:
+        """Slots belong to the rank's runtime, not to the writer."""
+
     # -- planning -------------------------------------------------------------------
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -187,56 +213,52 @@ class TieredStorageWriter(StorageWriter):
             finally:
                 rt.in_flight.discard(pd.save_id)
 
-    def _write_locked(self, plan, planner, pd, rt, step, log):  # type: ignore[no-untyped-def]
+    def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: _PlanData, rt: RankRuntime,
+                      step: int, log: StepLogger) -> list[WriteResult]:
         t0 = time.perf_counter()
-        tensors, blobs, total = _layout(plan.items, planner)
-        slot = rt.pool.acquire(total)
-        try:
-            mv = memoryview(slot._mm) if slot._mm is not None else memoryview(bytearray())
-            buf = slot.buffer
-            assert buf is not None
-            spans: list[tuple[WriteItem, int, int, int]] = []  # item, offset, length, data_offset
-            for item, offset, rec in tensors:
-                src = planner.resolve_data(item)
-                mv[offset : offset + len(rec.prefix)] = rec.prefix
-                if rec.nbytes:
-                    start = offset + rec.data_offset
-                    dst = buf[start : start + rec.nbytes].view(src.dtype).view(src.shape)
-                    dst.copy_(src.detach())
-                end = offset + rec.data_offset + rec.nbytes
-                mv[end : end + len(rec.suffix)] = rec.suffix
-                spans.append((item, offset, rec.length, rec.data_offset))
-            for item, offset, data in blobs:
-                mv[offset : offset + len(data)] = data
-                spans.append((item, offset, len(data), -1))
+        snap, self._snapshot = self._snapshot, None
+        if snap is None:  # synchronous save: copy into a fresh slot now
+            snap = rt.stager.stage_items(plan.items, planner)
             self._stage_seconds = time.perf_counter() - t0
-            log.info(step, "In-memory staging completed in %s", throughput(total, self._stage_seconds))
-            digests = list(rt.executor.map(lambda s: layout.checksum(mv[s[1] : s[1] + s[2]]), spans))
-            del mv, buf
-            with log.timed(step, "In-memory write", total):
-                rt.memory.put_file(step, pd.save_id, pd.file_name, slot.path)
+            log.info(step, "In-memory staging completed in %s", throughput(snap.nbytes, self._stage_seconds))
+        else:
+            snap.wait_copied()
+        extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
+        try:
+            spans, extras = _spans(plan.items, planner, snap, pd.file_name, extra_name)
+            slot_view = memoryview(snap.slot._mm) if snap.slot._mm is not None else memoryview(b"")
+            extra_view = memoryview(extras)
+            views = {pd.file_name: slot_view, extra_name: extra_view}
+            digests = list(rt.executor.map(lambda sp: layout.checksum(views[sp[1]][sp[2] : sp[2] + sp[3]]), spans))
+            sizes = {pd.file_name: snap.nbytes, extra_name: len(extras)}
+            files: dict[str, Source] = {pd.file_name: snap.slot.path}
+            if extras:
+                files[extra_name] = bytes(extras)
+            del slot_view, extra_view, views
+            with log.timed(step, "In-memory write", snap.nbytes + len(extras)):
+                for name, source in files.items():
+                    rt.memory.put_file(step, pd.save_id, name, source)
             durable_error = None
             if self.durable:
                 durable = rt.durable
                 assert durable is not None
                 try:
-                    with log.timed(step, f"Durable write ({durable.location(step)})", total):
-                        durable.put_file(step, pd.save_id, pd.file_name, slot.path)
+                    with log.timed(step, f"Durable write ({durable.location(step)})", snap.nbytes + len(extras)):
+                        for name, source in files.items():
+                            durable.put_file(step, pd.save_id, name, source)
                 except StorageError as exc:
                     durable_error = str(exc)
                     log.warning(step, "durable write failed: %s", exc)
         finally:
-            rt.pool.release(slot)
+            rt.stager.release(snap)
+        self.files_written = sorted(files)
         return [
             WriteResult(
                 index=item.index,
                 size_in_bytes=length,
-                storage_data=_ItemInfo(
-                    _StorageInfo(pd.file_name, offset, length), data_offset, digest, total,
-                    durable_error,
-                ),
+                storage_data=_ItemInfo(_StorageInfo(name, offset, length), data_offset, digest, sizes[name], durable_error),
             )
-            for (item, offset, length, data_offset), digest in zip(spans, digests)
+            for (item, name, offset, length, data_offset), digest in zip(spans, digests)
         ]
 
     # -- commit ---------------------------------------------------------------------
@@ -286,31 +308,42 @@ class TieredStorageWriter(StorageWriter):
             rt.apply_retention(durable, rt.durable_retention)
 
 
-def _layout(
-    items: Sequence[WriteItem], planner: SavePlanner
-) -> tuple[list[tuple[WriteItem, int, TensorRecord]], list[tuple[WriteItem, int, memoryview]], int]:
-    """Offsets of every record in the rank's file: tensors first, then byte items."""
-    offset = 0
-    tensors = []
-    for item in items:
-        if item.type == WriteItemType.BYTE_IO:
-            continue
-        td = item.tensor_data
-        assert td is not None
-        rec = _tensor_record(td.properties.dtype, tuple(td.chunk.sizes))
-        tensors.append((item, offset, rec))
-        offset = _align(offset + rec.length)
-    blobs = []
+def _spans(
+    items: Sequence[WriteItem], planner: SavePlanner, snap: Snapshot, slot_name: str, extra_name: str
+) -> tuple[list[tuple[WriteItem, str, int, int, int]], bytearray]:
+    """Where each item's record lives: in the slot when the snapshot holds it, else in extras.
+
+    Returns (item, file, offset, length, data_offset) per item and the extras file's bytes
+    (byte items, and tensors the snapshot does not hold in the planned shape).
+    """
+    spans = []
+    extras = bytearray()
     for item in items:
         if item.type != WriteItemType.BYTE_IO:
+            td = item.tensor_data
+            assert td is not None
+            view = snap.views.get(item.index.fqn)
+            if view is not None and tuple(view.shape) == tuple(td.chunk.sizes) and view.dtype == td.properties.dtype:
+                rec = snap.records[item.index.fqn]
+                spans.append((item, slot_name, snap.offsets[item.index.fqn], rec.length, rec.data_offset))
+                continue
+            src = planner.resolve_data(item).detach().contiguous().cpu()
+            rec = _tensor_record(src.dtype, tuple(src.shape))
+            offset = _align(len(extras))
+            extras.extend(b"\0" * (offset - len(extras)))
+            extras.extend(rec.prefix)
+            extras.extend(src.reshape(-1).view(torch.uint8).numpy().tobytes() if rec.nbytes else b"")
+            extras.extend(rec.suffix)
+            spans.append((item, extra_name, offset, rec.length, rec.data_offset))
             continue
         data = planner.resolve_data(item)
         if not isinstance(data, io.BytesIO):
             raise TierckptError(f"byte item {item.index.fqn} resolved to {type(data).__name__}")
-        view = data.getbuffer()
-        blobs.append((item, offset, view))
-        offset = _align(offset + len(view))
-    return tensors, blobs, offset
+        offset = _align(len(extras))
+        extras.extend(b"\0" * (offset - len(extras)))
+        extras.extend(data.getbuffer())
+        spans.append((item, extra_name, offset, len(extras) - offset, -1))
+    return spans, extras
 
 
 def _align(n: int) -> int:
