@@ -27,10 +27,9 @@ def _config(memory_dir: str, durable_url: str | None = None, **kw) -> tierckpt.C
 def _save_checkpointer(rank: int, memory_dir: str, steps: list[int]) -> list[int]:
     with tierckpt.Checkpointer(_config(memory_dir, memory_steps_retained=2)) as ck:
         assert ck.load(zeros_like_state(small_state(0, rank))) is None  # nothing there yet
-        for step in steps:
-            handle = ck.save(step, small_state(step, rank))
-            assert handle.done()  # memory-only: complete when save returns
+        handles = [ck.save(step, small_state(step, rank)) for step in steps]
         ck.wait()
+        assert all(h.done() and h.exception() is None for h in handles)
         return [info.step for info in ck.steps()]
 
 
