@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.stateful import Stateful
 
-from tierckpt import layout
+from tierckpt import layout, localmode
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
@@ -44,6 +44,7 @@ from tierckpt.errors import (
     ConfigError,
     DurableWriteError,
     IntegrityError,
+    StateDictMismatchError,
     TierckptError,
 )
 from tierckpt.observability import StepLogger, throughput
@@ -101,7 +102,8 @@ class Checkpointer:
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(process_group) if self.distributed else 0
         self.world_size = dist.get_world_size(process_group) if self.distributed else 1
-        self.runtime = RankRuntime(config, self.rank)
+        self.local = config.local_mode
+        self.runtime = RankRuntime(config.rank_local(self.rank) if self.local else config, self.rank)
         self.log = StepLogger("checkpointer", self.rank, config.logger)
         self.policy = DurablePolicy(config.durable_every_n_steps, config.durable_url is not None)
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
@@ -113,7 +115,12 @@ class Checkpointer:
         self.node_leader, self.shares_coordinator_node = True, True
         self._commit_group: dist.ProcessGroup | None = None
         self._drain_group: dist.ProcessGroup | None = None
-        if self.distributed and self.world_size > 1:
+        if self.distributed and self.world_size > 1 and self.local:
+            # one side group, used only by load's agreement: saves need no collective at all
+            ranks = dist.get_process_group_ranks(process_group) if process_group else None
+            self._commit_group = dist.new_group(ranks=ranks, backend="gloo")
+            self.multi_node = False
+        elif self.distributed and self.world_size > 1:
             me = (socket.gethostname(), os.path.realpath(config.memory_dir))
             nodes: list[Any] = [None] * self.world_size
             dist.all_gather_object(nodes, me, group=process_group)
@@ -161,7 +168,10 @@ class Checkpointer:
         go_durable = self.policy.should_save(step, durable)
         self._wait_inflight(step)
         t0 = time.perf_counter()
-        snap = self.runtime.stager.stage({k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()})
+        if self.local:
+            snap = self.runtime.stager.stage(localmode.localize(state_dict))
+        else:
+            snap = self.runtime.stager.stage({k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()})
         snap.wait_copied()
         blocking = time.perf_counter() - t0
         self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",
@@ -179,14 +189,17 @@ class Checkpointer:
             inflight.exception()  # failures belong to that save's handle
 
     def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
-        writer = TieredStorageWriter(self.config, step=step, durable=False, _runtime=self.runtime)
+        writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
         writer._snapshot = snap
         try:
             try:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.save(snap.state_dict, storage_writer=writer, planner=self._planner,
-                             process_group=self._commit_group)
+                    if self.local:  # this rank's shards alone, as one single-process checkpoint
+                        dcp.save(snap.state_dict, storage_writer=writer, planner=self._planner, no_dist=True)
+                    else:
+                        dcp.save(snap.state_dict, storage_writer=writer, planner=self._planner,
+                                 process_group=self._commit_group)
             except CheckpointException as exc:
                 raise _unwrap(exc) from None
             small = self._commit_other_nodes(writer)
@@ -256,7 +269,7 @@ class Checkpointer:
             errors = [None] * self.world_size
             dist.all_gather_object(errors, error, group=self._drain_group)
         failed = [e for e in errors if e]
-        if not failed and self.rank == 0:
+        if not failed and (self.rank == 0 or self.local):
             try:
                 assert small is not None
                 durable.commit(step, pd.save_id, {layout.METADATA: small[0], layout.MANIFEST: small[1]})
@@ -296,6 +309,8 @@ class Checkpointer:
         self._wait_inflight(step)  # a load after a save sees that save
         for h in self._handles:  # ... and its durable copy
             h._future.exception()
+        if self.local:
+            return self._load_local(state_dict, step)
         excluded: list[int] = []
         while True:
             reader = TieredStorageReader(
@@ -323,6 +338,36 @@ class Checkpointer:
             }
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
+
+    def _load_local(self, state_dict: dict[str, Any], step: int | None) -> int | None:
+        """Local mode: agree on a step every rank holds, then each rank reads only its own shards."""
+        local_sd = localmode.localize(state_dict)
+        excluded: set[int] = set()
+        while True:
+            chosen = localmode.agree(self.runtime, step, excluded, self._commit_group)
+            if chosen is None:
+                if excluded:
+                    raise IntegrityError(f"no step loads on every rank; failed: {sorted(excluded)}")
+                self.log.info(None, "no checkpoint found; starting fresh")
+                return None
+            reader = TieredStorageReader(self.runtime.config, chosen, expect=local_sd, single_process=True,
+                                         _runtime=self.runtime)
+            t0, error = time.perf_counter(), None
+            try:
+                with warnings.catch_warnings(), _quiet_dcp_fallback():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp.load(local_sd, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:
+                error = reader.failure or _unwrap(exc)
+            if localmode.confirm(error is None, self._commit_group):
+                self.last_load = {"step": chosen, "seconds": time.perf_counter() - t0,
+                                  "tiers": sorted(set(reader.tiers_used.values())), "skipped": sorted(excluded)}
+                localmode.write_back(state_dict, local_sd)
+                return chosen
+            if step is not None or isinstance(error, (StateDictMismatchError,)):
+                raise error if error is not None else IntegrityError(f"step {chosen} failed to load on another rank", step=chosen)
+            self.log.warning(chosen, "failed to load on some rank (%s); trying an older step", error)
+            excluded.add(chosen)
 
     def steps(self) -> list[StepInfo]:
         """Committed steps this rank can see, oldest first, with the tiers that hold them."""

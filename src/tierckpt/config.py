@@ -135,6 +135,8 @@ class CheckpointConfig:
     memory_budget_bytes    most bytes of shared memory one rank's slots may hold; None = no cap
                            beyond the free space of ``memory_dir``
     io_threads             threads for checksums and durable copies
+    local_mode             collective-free mode: each rank saves and loads only its own shards
+                           (namespace ``<namespace>--rank<r>``), same sharding on load
     s3                     explicit S3 overrides (endpoint, credentials, part size)
     logger                 a logger that receives tierckpt's records too
     """
@@ -147,6 +149,7 @@ class CheckpointConfig:
     durable_steps_retained: int | None = None
     memory_budget_bytes: int | None = None
     io_threads: int = 4
+    local_mode: bool = False
     s3: S3Settings = field(default_factory=S3Settings)
     logger: logging.Logger | None = None
 
@@ -163,6 +166,8 @@ class CheckpointConfig:
         if self.memory_budget_bytes is not None:
             _check_int("memory_budget_bytes", self.memory_budget_bytes, minimum=1)
         _check_int("io_threads", self.io_threads, minimum=1)
+        if not isinstance(self.local_mode, bool):
+            raise ConfigError(f"local_mode must be True or False, got {self.local_mode!r}")
         if not isinstance(self.s3, S3Settings):
             raise ConfigError("s3 must be a tierckpt.config.S3Settings")
         if self.logger is not None and not isinstance(self.logger, logging.Logger):
@@ -172,6 +177,16 @@ class CheckpointConfig:
     def durable(self) -> DurableLocation | None:
         """The parsed durable location, or None when the config is memory-only."""
         return None if self.durable_url is None else DurableLocation.parse(self.durable_url)
+
+    def rank_local(self, rank: int) -> "CheckpointConfig":
+        """The config of rank ``rank``'s own checkpoints in local mode (namespace ``<ns>--rank<r>``)."""
+        local_ns = f"{self.namespace}--rank{rank}"
+        if len(local_ns) > 128:
+            raise ConfigError(
+                f"local_mode needs namespace + '--rank{rank}' to fit in 128 characters; "
+                f"shorten namespace {self.namespace!r}"
+            )
+        return self.replace(namespace=local_ns, local_mode=False)
 
     def replace(self, **changes: Any) -> "CheckpointConfig":
         """A copy with ``changes`` applied (and validated); unknown fields are errors."""

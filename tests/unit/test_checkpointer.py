@@ -244,3 +244,19 @@ def test_closed_checkpointer_refuses(cfg: CheckpointConfig) -> None:
     ck.close()
     with pytest.raises(tierckpt.TierckptError, match="closed"):
         ck.save(1, state(1))
+
+
+def test_local_mode_one_process(cfg: CheckpointConfig, shm_root: Path, durable_dir: Path) -> None:
+    local = cfg.replace(local_mode=True)
+    with Checkpointer(local) as ck:
+        assert ck.load(blank()) is None
+        for s in (1, 2, 3):
+            ck.save(s, state(s))
+        ck.wait()
+        out = blank()
+        assert ck.load(out) == 3
+        assert_same(out, state(3))
+    assert (shm_root / "unit--rank0" / "step_3" / "COMMITTED").exists()
+    assert (durable_dir / "unit--rank0" / "step_3" / "COMMITTED").exists()  # durable_every_n_steps=3
+    with pytest.raises(ConfigError, match="128"):
+        CheckpointConfig(namespace="x" * 125, local_mode=True).rank_local(0)

@@ -70,6 +70,7 @@ class TieredStorageReader(StorageReader):
         process_group: dist.ProcessGroup | None = None,
         exclude_steps: Iterable[int] = (),
         expect: dict[str, Any] | None = None,
+        single_process: bool = False,
         _runtime: RankRuntime | None = None,
     ) -> None:
         super().__init__()
@@ -82,7 +83,11 @@ class TieredStorageReader(StorageReader):
         self.group = process_group
         self.exclude = frozenset(exclude_steps)
         self.expect = expect
-        self.rank = dist.get_rank(process_group) if dist.is_available() and dist.is_initialized() else 0
+        #: with ``single_process`` (dcp.load(..., no_dist=True)) this reader neither gathers nor
+        #: takes the process's rank: it reads one rank's own checkpoint as rank 0
+        self.single_process = single_process
+        distributed = dist.is_available() and dist.is_initialized() and not single_process
+        self.rank = dist.get_rank(process_group) if distributed else 0
         self._runtime = _runtime
         self.step: int | None = None
         self.skipped: tuple[tuple[int, str], ...] = ()
@@ -122,7 +127,8 @@ class TieredStorageReader(StorageReader):
     def _read_metadata(self) -> Metadata:
         rt = self.runtime
         local = self._local_availability(rt)
-        choice = choose_step(gather(local, self.group), self.requested, namespace=self.config.namespace)
+        everyone = [local] if self.single_process else gather(local, self.group)
+        choice = choose_step(everyone, self.requested, namespace=self.config.namespace)
         if choice is None:
             raise CheckpointNotFoundError(
                 f"namespace {self.config.namespace!r} has no checkpoint in any tier"
