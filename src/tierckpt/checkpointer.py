@@ -24,15 +24,17 @@ import os
 import socket
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from tierckpt import layout, localmode
@@ -140,7 +142,7 @@ class Checkpointer:
         self.last_load: dict[str, Any] = {}
 
     # -- context ----------------------------------------------------------------------
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -196,9 +198,9 @@ class Checkpointer:
                 with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     if self.local:  # this rank's shards alone, as one single-process checkpoint
-                        dcp.save(snap.state_dict, storage_writer=writer, planner=self._planner, no_dist=True)
+                        dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner, no_dist=True)
                     else:
-                        dcp.save(snap.state_dict, storage_writer=writer, planner=self._planner,
+                        dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
                                  process_group=self._commit_group)
             except CheckpointException as exc:
                 raise _unwrap(exc) from None
@@ -321,7 +323,7 @@ class Checkpointer:
             try:
                 with warnings.catch_warnings(), _quiet_dcp_fallback():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.load(state_dict, storage_reader=reader, process_group=self.group)
+                    dcp_load(state_dict, storage_reader=reader, process_group=self.group)
             except CheckpointException as exc:
                 err = reader.failure or _unwrap(exc)
                 if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
@@ -356,7 +358,7 @@ class Checkpointer:
             try:
                 with warnings.catch_warnings(), _quiet_dcp_fallback():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp.load(local_sd, storage_reader=reader, no_dist=True)
+                    dcp_load(local_sd, storage_reader=reader, no_dist=True)
             except CheckpointException as exc:
                 error = reader.failure or _unwrap(exc)
             if localmode.confirm(error is None, self._commit_group):

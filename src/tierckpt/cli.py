@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import CheckpointNotFoundError, TierckptError
@@ -45,9 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(steps=args.steps, workdir=args.workdir)
         if args.command == "bench":
-            from tierckpt.bench import s3
+            import importlib
 
-            return s3.main(args.rest)
+            bench = importlib.import_module(f"tierckpt.bench.{args.suite}")
+            return int(bench.main(args.rest))
         config = CheckpointConfig.from_env(
             namespace=args.namespace, memory_dir=args.memory_dir, durable_url=args.durable_url
         )

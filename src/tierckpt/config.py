@@ -10,9 +10,10 @@ import dataclasses
 import logging
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 from tierckpt.errors import ConfigError
@@ -81,7 +82,7 @@ class DurableLocation:
     prefix: str = ""
 
     @classmethod
-    def parse(cls, url: str) -> "DurableLocation":
+    def parse(cls, url: str) -> DurableLocation:
         if not isinstance(url, str) or not url:
             raise ConfigError("durable_url must be a non-empty string such as 'file:///mnt/ckpt'")
         parsed = urlparse(url)
@@ -178,7 +179,7 @@ class CheckpointConfig:
         """The parsed durable location, or None when the config is memory-only."""
         return None if self.durable_url is None else DurableLocation.parse(self.durable_url)
 
-    def rank_local(self, rank: int) -> "CheckpointConfig":
+    def rank_local(self, rank: int) -> CheckpointConfig:
         """The config of rank ``rank``'s own checkpoints in local mode (namespace ``<ns>--rank<r>``)."""
         local_ns = f"{self.namespace}--rank{rank}"
         if len(local_ns) > 128:
@@ -188,7 +189,7 @@ class CheckpointConfig:
             )
         return self.replace(namespace=local_ns, local_mode=False)
 
-    def replace(self, **changes: Any) -> "CheckpointConfig":
+    def replace(self, **changes: Any) -> CheckpointConfig:
         """A copy with ``changes`` applied (and validated); unknown fields are errors."""
         names = {f.name for f in dataclasses.fields(self)}
         unknown = sorted(set(changes) - names)
@@ -199,7 +200,7 @@ class CheckpointConfig:
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> "CheckpointConfig":
+    ) -> CheckpointConfig:
         """Build a config from ``TIERCKPT_*`` variables, then apply ``overrides``.
 
         TIERCKPT_NAMESPACE, TIERCKPT_MEMORY_DIR, TIERCKPT_DURABLE_URL,
@@ -224,7 +225,7 @@ class CheckpointConfig:
                 try:
                     values[name] = conv(raw)
                 except ValueError:
-                    raise ConfigError(f"TIERCKPT_{name.upper()}={raw!r} is not a valid {conv.__name__}")
+                    raise ConfigError(f"TIERCKPT_{name.upper()}={raw!r} is not a valid {conv.__name__}") from None
         s3_values: dict[str, Any] = {}
         for name in ("part_size", "max_concurrency"):
             raw = env.get(f"TIERCKPT_S3_{name.upper()}")
@@ -232,7 +233,7 @@ class CheckpointConfig:
                 try:
                     s3_values[name] = int(raw)
                 except ValueError:
-                    raise ConfigError(f"TIERCKPT_S3_{name.upper()}={raw!r} is not a whole number")
+                    raise ConfigError(f"TIERCKPT_S3_{name.upper()}={raw!r} is not a whole number") from None
         if s3_values and "s3" not in overrides:
             values["s3"] = S3Settings(**s3_values)
         values.update({k: v for k, v in overrides.items() if v is not None})

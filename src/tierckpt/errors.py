@@ -54,7 +54,7 @@ class TierckptError(Exception):
         self.rank = rank
         self.step = step
 
-    def __reduce__(self):  # keep context when errors cross process boundaries (DCP gathers them)
+    def __reduce__(self) -> tuple[object, ...]:  # keep context across processes (DCP gathers errors)
         return (
             _rebuild,
             (type(self), self.message, self.tier, self.path, self.rank, self.step),
@@ -64,7 +64,9 @@ class TierckptError(Exception):
         return self.message
 
 
-def _rebuild(cls, message, tier, path, rank, step):  # type: ignore[no-untyped-def]
+def _rebuild(
+    cls: type[TierckptError], message: str, tier: str | None, path: str | None, rank: int | None, step: int | None
+) -> TierckptError:
     return cls(message, tier=tier, path=path, rank=rank, step=step)
 
 

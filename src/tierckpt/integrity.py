@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tierckpt import layout
@@ -33,10 +34,12 @@ def fetch_file(tier: Tier, step: int, name: str, size: int) -> memoryview:
     return tier.read_range(step, name, 0, size)
 
 
-def verify_items(view: memoryview, records: list[layout.ItemRecord], where: str, map_fn=map) -> None:  # type: ignore[no-untyped-def,assignment]
+def verify_items(
+    view: memoryview, records: list[layout.ItemRecord], where: str, map_fn: Callable[..., Iterable[str]] = map
+) -> None:
     """Check each record's xxh3 over ``view``; ``map_fn`` may be a thread pool's map."""
     digests = map_fn(lambda r: layout.checksum(view[r.offset : r.offset + r.length]), records)
-    for r, digest in zip(records, digests):
+    for r, digest in zip(records, digests, strict=True):
         if digest != r.xxh3:
             raise IntegrityError(f"{where}: item at offset {r.offset} ({r.length} bytes) fails its checksum")
 

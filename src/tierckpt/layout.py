@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import xxhash
 
@@ -135,7 +136,7 @@ class Manifest:
         return json.dumps(body, separators=(",", ":")).encode()
 
     @classmethod
-    def from_bytes(cls, raw: bytes, *, where: str = "manifest") -> "Manifest":
+    def from_bytes(cls, raw: bytes, *, where: str = "manifest") -> Manifest:
         try:
             body = json.loads(raw)
             if body["format_version"] > FORMAT_VERSION:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -83,7 +83,7 @@ def tensor_record(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorRecord:
     nbytes = template.numel() * template.element_size()
     sink = _SparseSink()
     with torch.serialization.skip_data():
-        torch.save(template, sink)
+        torch.save(template, cast(IO[bytes], sink))
     del template
     image = bytearray(sink.end)
     gaps, covered = [], 0

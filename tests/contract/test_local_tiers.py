@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.tiers import LocalTier
 from tests.contract.tier_contract import TierContract, commit
+from tierckpt.tiers import LocalTier
 
 
 class TestMemoryTier(TierContract):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tierckpt import layout
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
 from tierckpt.integrity import sealed_manifest
 from tierckpt.tiers import Tier
 
@@ -77,7 +77,7 @@ class TierContract:
 
     def test_short_read_is_an_error(self, tier: Tier) -> None:
         commit(tier, 1, b"abc")
-        with pytest.raises(Exception):
+        with pytest.raises(StorageError):
             tier.read_range(1, "__0_0.distcp", 0, 10)
 
     def test_marker_seals_manifest(self, tier: Tier) -> None:

@@ -12,8 +12,16 @@ import pytest
 import torch
 
 import tierckpt
-from tierckpt import (CheckpointConfig, CheckpointNotFoundError, Checkpointer, ConfigError, DurableWriteError,
-                      IntegrityError, MemoryBudgetError, StateDictMismatchError)
+from tierckpt import (
+    CheckpointConfig,
+    Checkpointer,
+    CheckpointNotFoundError,
+    ConfigError,
+    DurableWriteError,
+    IntegrityError,
+    MemoryBudgetError,
+    StateDictMismatchError,
+)
 
 
 def state(step: int) -> dict:

@@ -2,8 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierckpt import ConfigError, IntegrityError
-from tierckpt import layout
+from tierckpt import ConfigError, IntegrityError, layout
 from tierckpt.policy import DurablePolicy, RetentionPolicy
 
 

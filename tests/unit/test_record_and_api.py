@@ -36,8 +36,13 @@ def test_metadata_unpickler_refuses_foreign_globals() -> None:
 
 
 def test_metadata_round_trip() -> None:
-    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                       TensorProperties, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
     md = Metadata(state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.bfloat16), torch.Size([2, 3]),
                                                                   [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2, 3]))])},
                   storage_data={MetadataIndex("w", torch.Size([0, 0]), 0): None})

@@ -9,8 +9,8 @@ Only rank 0 lists the durable tier, so finding the newest step costs one listing
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch.distributed as dist
 

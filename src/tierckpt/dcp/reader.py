@@ -15,7 +15,8 @@ After ``dcp.load`` returns, ``step`` and ``tiers_used`` tell what was loaded fro
 from __future__ import annotations
 
 import io
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,6 @@ from torch.futures import Future
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import Availability, choose_step, gather
-from tierckpt.integrity import fetch_file, sealed_manifest, verify_items
 from tierckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -44,6 +44,7 @@ from tierckpt.errors import (
     StorageError,
     TierckptError,
 )
+from tierckpt.integrity import fetch_file, sealed_manifest, verify_items
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.record import loads_metadata
 from tierckpt.runtime import RankRuntime, runtime_for
@@ -248,7 +249,7 @@ class TieredStorageReader(StorageReader):
                 view = fetch_file(tier, step, name, self._manifest.files.get(name, -1))
                 records = [self._record_for(name, req) for req in reqs]
                 verify_items(view, records, f"{tier.location(step)}/{name}", rt.executor.map)
-                for req, r in zip(reqs, records):
+                for req, r in zip(reqs, records, strict=True):
                     self._apply(req, r, view[r.offset : r.offset + r.length], planner)
                 self.tiers_used[name] = tier.name
                 return sum(r.length for r in records)
@@ -289,7 +290,7 @@ class TieredStorageReader(StorageReader):
             tensor = src.view(dtype).view(sizes)
         else:
             tensor = torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True)
-        for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+        for dim, (off, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
             if off != 0 or length != tensor.size(dim):
                 tensor = tensor.narrow(dim, off, length)
         target = planner.resolve_tensor(req).detach()

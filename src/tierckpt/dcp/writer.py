@@ -20,9 +20,10 @@ import dataclasses
 import io
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, cast
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -37,9 +38,10 @@ from tierckpt.errors import ConfigError, DurableWriteError, StorageError, Tierck
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
 from tierckpt.record import ALIGN, dumps_metadata, tensor_record
-from tierckpt.snapshot import Snapshot
-from tierckpt.tiers import Source
 from tierckpt.runtime import RankRuntime, runtime_for
+from tierckpt.snapshot import Snapshot
+from tierckpt.staging import Slot
+from tierckpt.tiers import Source
 
 __all__ = ["TieredStorageWriter"]
 
@@ -196,7 +198,7 @@ class TieredStorageWriter(StorageWriter):
         try:
             fut.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP collects the failure from the future
-            fut.set_exception(exc)
+            fut.set_exception(cast(Any, exc))
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -226,15 +228,11 @@ class TieredStorageWriter(StorageWriter):
         extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
         try:
             spans, extras = _spans(plan.items, planner, snap, pd.file_name, extra_name)
-            slot_view = memoryview(snap.slot._mm) if snap.slot._mm is not None else memoryview(b"")
-            extra_view = memoryview(extras)
-            views = {pd.file_name: slot_view, extra_name: extra_view}
-            digests = list(rt.executor.map(lambda sp: layout.checksum(views[sp[1]][sp[2] : sp[2] + sp[3]]), spans))
+            digests = _checksums(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
             sizes = {pd.file_name: snap.nbytes, extra_name: len(extras)}
             files: dict[str, Source] = {pd.file_name: snap.slot.path}
             if extras:
                 files[extra_name] = bytes(extras)
-            del slot_view, extra_view, views
             with log.timed(step, "In-memory write", snap.nbytes + len(extras)):
                 for name, source in files.items():
                     rt.memory.put_file(step, pd.save_id, name, source)
@@ -258,7 +256,7 @@ class TieredStorageWriter(StorageWriter):
                 size_in_bytes=length,
                 storage_data=_ItemInfo(_StorageInfo(name, offset, length), data_offset, digest, sizes[name], durable_error),
             )
-            for (item, name, offset, length, data_offset), digest in zip(spans, digests)
+            for (item, name, offset, length, data_offset), digest in zip(spans, digests, strict=True)
         ]
 
     # -- commit ---------------------------------------------------------------------
@@ -327,7 +325,7 @@ def _spans(
                 rec = snap.records[item.index.fqn]
                 spans.append((item, slot_name, snap.offsets[item.index.fqn], rec.length, rec.data_offset))
                 continue
-            src = planner.resolve_data(item).detach().contiguous().cpu()
+            src = cast(torch.Tensor, planner.resolve_data(item)).detach().contiguous().cpu()
             rec = _tensor_record(src.dtype, tuple(src.shape))
             offset = _align(len(extras))
             extras.extend(b"\0" * (offset - len(extras)))
@@ -344,6 +342,19 @@ def _spans(
         extras.extend(data.getbuffer())
         spans.append((item, extra_name, offset, len(extras) - offset, -1))
     return spans, extras
+
+
+def _checksums(rt: RankRuntime, spans: list[tuple[WriteItem, str, int, int, int]], sources: dict[str, Any]) -> list[str]:
+    """xxh3 of every record, in parallel (xxhash releases the GIL)."""
+    views = {
+        name: (memoryview(src._mm) if src._mm is not None else memoryview(b"")) if isinstance(src, Slot) else memoryview(src)
+        for name, src in sources.items()
+    }
+    try:
+        return list(rt.executor.map(lambda sp: layout.checksum(views[sp[1]][sp[2] : sp[2] + sp[3]]), spans))
+    finally:
+        for v in views.values():  # let the slot's mapping be closed or resized later
+            v.release()
 
 
 def _align(n: int) -> int:

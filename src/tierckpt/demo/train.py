@@ -69,6 +69,7 @@ def main() -> None:
         durable_every_n_steps=5, memory_steps_retained=2,
     )
     result: dict[str, Any] = {"rank": rank, "resumed_from": None, "blocking_s": []}
+    state: dict[str, Any]
     with tierckpt.Checkpointer(cfg) as ck:
         msd, osd = get_state_dict(model, optim)
         state = {"model": msd, "optim": osd, "meta": {"step": 0}}

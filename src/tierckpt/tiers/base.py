@@ -12,9 +12,10 @@ data. A step is visible to readers only while its marker exists.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Protocol, Union, runtime_checkable
+from typing import Protocol, Union, runtime_checkable
 
 __all__ = ["Source", "StepListing", "Tier"]
 

@@ -14,8 +14,8 @@ import os
 import shutil
 import socket
 import uuid
+from collections.abc import Collection, Mapping
 from pathlib import Path
-from typing import Mapping
 
 from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, StorageError
@@ -193,12 +193,12 @@ class LocalTier:
         """Drop a save's staging directory (nothing visible changes)."""
         shutil.rmtree(self.staging_dir(step, save_id), ignore_errors=True)
 
-    def gc_staging(self, *, keep: set[str] = frozenset()) -> list[str]:
+    def gc_staging(self, *, keep: Collection[str] = frozenset()) -> list[str]:
         """Remove staging directories whose writers on this host are all dead; return their names.
 
         ``keep`` holds save ids in progress. A directory another host owns is left alone.
         """
-        removed = []
+        removed: list[str] = []
         base = self.ns_dir / layout.STAGING
         try:
             entries = list(os.scandir(base))
