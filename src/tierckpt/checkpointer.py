@@ -138,7 +138,16 @@ class Checkpointer:
         if self.node_leader:  # saves that died with their process hold slots: free them
             removed = self.runtime.memory.gc_staging()
             if removed:
-                self.log.info(None, "removed %d unfinished save(s) left by dead processes", len(removed))
+                self.log.info(None, "removed %d leftover(s) of dead processes from memory: %s", len(removed), removed)
+        if self.rank == 0 or self.local:  # and torn durable copies (each rank owns its tier in local mode)
+            durable_gc = getattr(self.runtime.durable, "gc_staging", None)
+            if durable_gc is not None:
+                try:
+                    removed = durable_gc()
+                    if removed:
+                        self.log.info(None, "removed %d torn durable copies of dead processes: %s", len(removed), removed)
+                except TierckptError as exc:
+                    self.log.warning(None, "could not clean the durable tier: %s", exc)
         self.last_load: dict[str, Any] = {}
 
     # -- context ----------------------------------------------------------------------
@@ -193,6 +202,7 @@ class Checkpointer:
     def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
         writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
         writer._snapshot = snap
+        writer._commit_nodes = False  # _commit_other_nodes broadcasts on the commit group instead
         try:
             try:
                 with warnings.catch_warnings():
@@ -239,33 +249,28 @@ class Checkpointer:
         return small
 
     def _pin(self, step: int, name: str, save_id: str) -> tuple[str, str]:
-        """Hard-link a data file so retention cannot recycle its slot before the drain."""
-        pins = self.runtime.memory.ns_dir / layout.PINS
-        pins.mkdir(parents=True, exist_ok=True)
-        pin = pins / f"{layout.step_dir_name(step)}.{save_id}.{name}.p{os.getpid()}"
-        source = self.runtime.memory.step_dir(step) / name
-        if source.exists():
-            os.link(source, pin)
-        return name, str(pin)
+        """Pin a data file so retention cannot recycle its slot before the drain copied it."""
+        pin = self.runtime.memory.pin(step, name)
+        return name, str(pin) if pin is not None else ""
 
     def _drain(self, step: int, pd: Any, pins: list[tuple[str, str]], small: tuple[bytes, bytes] | None) -> None:
         rt, durable = self.runtime, self.runtime.durable
         assert durable is not None
         error: str | None = None
         t0 = time.perf_counter()
+        nbytes = 0  # this rank's share
         try:
             for name, pin in pins:
                 if not os.path.exists(pin):
                     raise DurableWriteError(f"{name} of step {step} vanished from the memory tier before its drain")
+                nbytes += os.path.getsize(pin)
                 durable.put_file(step, pd.save_id, name, Path(pin))
         except Exception as exc:  # reported to every rank below, then raised on the handle
             error = f"rank {self.rank}: {exc}"
         finally:
             for _, pin in pins:
-                try:
-                    os.unlink(pin)
-                except FileNotFoundError:
-                    pass
+                if pin:
+                    self.runtime.memory.unpin(Path(pin))
         errors = [error]
         if self._drain_group is not None:
             errors = [None] * self.world_size
@@ -288,7 +293,8 @@ class Checkpointer:
                 f"durable copy of step {step} failed (its memory copy is intact): " + "; ".join(failed),
                 tier="durable", step=step,
             )
-        self.log.info(step, "durable copy committed in %.3fs (%s)", time.perf_counter() - t0, durable.location(step))
+        self.log.info(step, "Durable write completed in %s (%s)", throughput(nbytes, time.perf_counter() - t0),
+                      durable.location(step))
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far finished; raise the first failure."""

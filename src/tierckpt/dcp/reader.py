@@ -97,6 +97,7 @@ class TieredStorageReader(StorageReader):
         self._durable_ok = False
         self._manifest: layout.Manifest | None = None
         self._records: dict[tuple[str, int], layout.ItemRecord] = {}
+        self._verified: set[tuple[str, int, str, str]] = set()  # (tier, step, file, save id) checked whole
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._log = StepLogger("reader", self.rank, config.logger)
@@ -144,6 +145,14 @@ class TieredStorageReader(StorageReader):
         return metadata
 
     def _local_availability(self, rt: RankRuntime) -> Availability:
+        """What this rank can load, with the newest candidate checked before anyone agrees.
+
+        For its newest memory step this rank checks the seal, the metadata and the files
+        ``__k_*`` with ``k % world_size == rank`` (so together the ranks check every file,
+        whatever the world size was at save time); rank 0 checks the seal and metadata of
+        the newest durable step. Failures demote the step and the next one is checked, so
+        plain ``dcp.load`` lands on the newest step that loads instead of failing.
+        """
         memory: dict[int, frozenset[str]] = {}
         files: dict[int, frozenset[str]] = {}
         bad: dict[int, str] = {}
@@ -157,8 +166,11 @@ class TieredStorageReader(StorageReader):
                 present = frozenset(
                     n for n, size in manifest.files.items() if listing.files.get(n) == size
                 )
-                if not verified_one:  # the newest usable copy: check this rank's own data now
-                    self._verify_file(rt.memory, manifest, layout.data_file_name(self.rank), present)
+                if not verified_one:
+                    self._check_metadata(rt.memory, manifest)
+                    for name in sorted(present):
+                        if _file_rank(name) % self._world_size() == self.rank:
+                            self._verify_file(rt.memory, manifest, name, present)
                     verified_one = True
             except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
                 bad[listing.step] = f"memory copy rejected ({exc})"
@@ -168,14 +180,36 @@ class TieredStorageReader(StorageReader):
         durable, durable_error = None, None
         if self.rank == 0 and rt.durable is not None:
             try:
-                durable = frozenset(
-                    s.step for s in rt.durable.list_steps()
-                    if s.step not in self.exclude and (self.requested is None or s.step == self.requested)
-                )
+                durable = self._durable_candidates(rt.durable)
             except StorageError as exc:
                 self._log.warning(None, "durable tier unavailable, using memory only: %s", exc)
                 durable, durable_error = frozenset(), str(exc)
         return Availability(self.rank, memory, files, durable, bad, durable_error)
+
+    def _durable_candidates(self, durable: Tier) -> frozenset[int]:
+        """Committed durable steps, dropping newest ones whose seal or metadata is damaged."""
+        steps = sorted(
+            (s.step for s in durable.list_steps()
+             if s.step not in self.exclude and (self.requested is None or s.step == self.requested)),
+            reverse=True,
+        )
+        for i, step in enumerate(steps):
+            try:
+                self._check_metadata(durable, self._sealed_manifest(durable, step))
+                return frozenset(steps[i:])
+            except (IntegrityError, CheckpointNotFoundError) as exc:
+                self._log.warning(step, "durable copy rejected: %s", exc)
+        return frozenset()
+
+    def _check_metadata(self, tier: Tier, manifest: layout.Manifest) -> None:
+        md_raw = tier.read_file(manifest.step, layout.METADATA)
+        if layout.checksum(md_raw) != manifest.metadata_xxh3:
+            raise IntegrityError(f"{tier.location(manifest.step)}/.metadata fails its checksum", step=manifest.step)
+
+    def _world_size(self) -> int:
+        if self.single_process or not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.group)
 
     def _sealed_manifest(self, tier: Tier, step: int) -> layout.Manifest:
         return sealed_manifest(tier, step, self.config.namespace)
@@ -185,6 +219,7 @@ class TieredStorageReader(StorageReader):
         if name in present and records:
             view = fetch_file(tier, manifest.step, name, manifest.files[name])
             verify_items(view, records, f"{tier.location(manifest.step)}/{name}", self.runtime.executor.map)
+            self._verified.add((tier.name, manifest.step, name, manifest.save_id))
 
     def _read_verified_metadata(self, rt: RankRuntime, step: int) -> Metadata:
         errors = []
@@ -248,7 +283,8 @@ class TieredStorageReader(StorageReader):
             try:
                 view = fetch_file(tier, step, name, self._manifest.files.get(name, -1))
                 records = [self._record_for(name, req) for req in reqs]
-                verify_items(view, records, f"{tier.location(step)}/{name}", rt.executor.map)
+                if (tier.name, step, name, self._manifest.save_id) not in self._verified:
+                    verify_items(view, records, f"{tier.location(step)}/{name}", rt.executor.map)
                 for req, r in zip(reqs, records, strict=True):
                     self._apply(req, r, view[r.offset : r.offset + r.length], planner)
                 self.tiers_used[name] = tier.name
@@ -300,6 +336,12 @@ class TieredStorageReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _file_rank(name: str) -> int:
+    """``'__3_0.distcp'`` → 3 (files not named by rank count as rank 0's)."""
+    head = name[2:].split("_", 1)[0] if name.startswith("__") else ""
+    return int(head) if head.isdigit() else 0
 
 
 def _numel(sizes: tuple[int, ...]) -> int:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import socket
 import time
 import uuid
 from collections.abc import Sequence
@@ -34,6 +36,7 @@ from torch.futures import Future
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
+from tierckpt.dcp import node_commit
 from tierckpt.errors import ConfigError, DurableWriteError, StorageError, TierckptError
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
@@ -49,12 +52,27 @@ _tensor_record = lru_cache(maxsize=8192)(tensor_record)
 
 
 @dataclass(frozen=True)
+class _NodeId:
+    """Set on each local plan: which memory tier (node) the rank writes into."""
+
+    host: str
+    memory_root: str
+
+
+@dataclass(frozen=True)
 class _PlanData:
-    """Set on each rank's SavePlan by the coordinator."""
+    """Set on each rank's SavePlan by the coordinator.
+
+    ``commit_node``: this rank commits its node's memory tier once the coordinator has
+    published the step (the coordinator commits its own node in ``finish``).
+    ``remote_nodes``: how many other nodes wait for that publication.
+    """
 
     file_name: str
     save_id: str
     world_size: int
+    commit_node: bool = False
+    remote_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,7 +113,8 @@ class TieredStorageWriter(StorageWriter):
             self._step = layout.step_from_path(path)
         self.durable_requested = durable
         self._runtime = _runtime
-        self.rank = 0
+        self._commit_nodes = True  # Checkpointer commits other nodes itself and turns this off
+        self.rank = _global_rank()
         self.is_coordinator = True
         self.save_id: str | None = None
         self.committed: tuple[bytes, bytes] | None = None  # (.metadata, manifest) after finish
@@ -143,19 +162,14 @@ class TieredStorageWriter(StorageWriter):
         self.committed = None
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.runtime_location())
-
-    def runtime_location(self) -> str:
-        return self.runtime.memory.location(self.step) if self._step is not None else ""
+        # called before set_up_storage_writer: must not bind the runtime
+        where = f"{self.config.memory_dir}/{self.config.namespace}"
+        return StorageMeta(checkpoint_id=f"{where}/{layout.step_dir_name(self._step)}" if self._step is not None else where)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        rank = kwargs.get("rank")
-        if rank is None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        self.rank = int(rank)
+        # slots are per global rank: DCP's ``rank`` is relative to the save's process group
+        self.rank = _global_rank()
         _ = self.step  # fail before any collective if there is no step
 
     # -- AsyncStager (dcp.async_save blocks only for this copy) ------------------------
@@ -181,13 +195,25 @@ class TieredStorageWriter(StorageWriter):
 
     # -- planning -------------------------------------------------------------------
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        node = _NodeId(socket.gethostname(), os.path.realpath(self.config.memory_dir))
+        return dataclasses.replace(plan, storage_data=node)
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save_id = uuid.uuid4().hex[:12]
+        nodes = [p.storage_data if isinstance(p.storage_data, _NodeId) else None for p in plans]
+        leaders = {}
+        for i, node in enumerate(nodes):
+            if node is not None and node != nodes[0]:
+                leaders.setdefault(node, i)
+        remote = len(leaders) if self._commit_nodes else 0
         return [
             dataclasses.replace(
-                plan, storage_data=_PlanData(layout.data_file_name(i), save_id, len(plans))
+                plan,
+                storage_data=_PlanData(
+                    layout.data_file_name(i), save_id, len(plans),
+                    commit_node=remote > 0 and leaders.get(nodes[i]) == i,  # type: ignore[arg-type]
+                    remote_nodes=remote if i == 0 else 0,
+                ),
             )
             for i, plan in enumerate(plans)
         ]
@@ -250,6 +276,8 @@ class TieredStorageWriter(StorageWriter):
         finally:
             rt.stager.release(snap)
         self.files_written = sorted(files)
+        if pd.commit_node:
+            node_commit.await_publication(rt, step, pd.save_id, log)
         return [
             WriteResult(
                 index=item.index,
@@ -283,6 +311,8 @@ class TieredStorageWriter(StorageWriter):
         small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
         rt.memory.commit(step, save_id, small)
         self.committed = (md_raw, mf_raw)
+        if self._plan_data is not None and self._plan_data.remote_nodes:
+            node_commit.publish(rt, step, save_id, md_raw, mf_raw, log)
         log.info(step, "Committed to memory (%s), metadata %d bytes", rt.memory.location(step), len(md_raw))
         rt.apply_retention(rt.memory, rt.memory_retention)
         if self.durable:
@@ -355,6 +385,12 @@ def _checksums(rt: RankRuntime, spans: list[tuple[WriteItem, str, int, int, int]
     finally:
         for v in views.values():  # let the slot's mapping be closed or resized later
             v.release()
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _align(n: int) -> int:

@@ -193,18 +193,45 @@ class LocalTier:
         """Drop a save's staging directory (nothing visible changes)."""
         shutil.rmtree(self.staging_dir(step, save_id), ignore_errors=True)
 
-    def gc_staging(self, *, keep: Collection[str] = frozenset()) -> list[str]:
-        """Remove staging directories whose writers on this host are all dead; return their names.
+    def pin(self, step: int, name: str) -> Path | None:
+        """Hard-link a committed data file so deleting the step cannot free its storage.
 
-        ``keep`` holds save ids in progress. A directory another host owns is left alone.
+        The memory tier's data files are shared-memory slots: while a pin exists the slot
+        is busy (``st_nlink > 1``) and no save reuses it. ``unpin`` when done; pins of dead
+        processes are removed by ``gc_staging``. None when the file is gone already.
+        """
+        pins = self.ns_dir / layout.PINS
+        pins.mkdir(parents=True, exist_ok=True)
+        pin = pins / f"{layout.step_dir_name(step)}.{name}.owner-{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:6]}"
+        try:
+            os.link(self.step_dir(step) / name, pin)
+        except FileNotFoundError:
+            return None
+        return pin
+
+    @staticmethod
+    def unpin(pin: Path) -> None:
+        pin.unlink(missing_ok=True)
+
+    def gc_staging(self, *, keep: Collection[str] = frozenset()) -> list[str]:
+        """Remove what dead writers left behind; return the names removed.
+
+        Staging directories whose writers on this host are all dead (``keep`` holds save
+        ids in progress; another host's directories are left alone), step directories
+        without a marker (a deletion that died between removing the marker and the rename:
+        commits never create one), and pins of dead processes.
         """
         removed: list[str] = []
-        base = self.ns_dir / layout.STAGING
-        try:
-            entries = list(os.scandir(base))
-        except FileNotFoundError:
-            return removed
-        for entry in entries:
+        for entry in self._scan(self.ns_dir):
+            if layout.parse_step_dir(entry.name) is not None and not os.path.exists(os.path.join(entry.path, layout.MARKER)):
+                self._to_trash(Path(entry.path))
+                removed.append(entry.name)
+        for entry in self._scan(self.ns_dir / layout.PINS):
+            owner = entry.name.split(".owner-", 1)[-1].rsplit(".", 1)[0]
+            if not _owner_alive(f".owner-{owner}"):
+                os.unlink(entry.path)
+                removed.append(entry.name)
+        for entry in self._scan(self.ns_dir / layout.STAGING):
             if entry.name.rsplit(".", 1)[-1] in keep:
                 continue
             owners = [p.name for p in Path(entry.path).glob(".owner-*")]
@@ -216,6 +243,14 @@ class LocalTier:
         return removed
 
     # -- helpers ------------------------------------------------------------------
+    def _scan(self, path: Path) -> list[os.DirEntry[str]]:
+        try:
+            return list(os.scandir(path))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise self._error("list", path, exc) from exc
+
     def _to_trash(self, path: Path) -> None:
         trash = self.ns_dir / layout.TRASH
         trash.mkdir(parents=True, exist_ok=True)
