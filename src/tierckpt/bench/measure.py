@@ -34,6 +34,7 @@ __all__ = [
     "local_tensors",
     "median",
     "rss_anon",
+    "trim_heap",
 ]
 
 _COLS = 1024  # each tensor is (rows, 1024) float32; rows split evenly across ranks
@@ -145,7 +146,7 @@ class RssProbe:
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> RssProbe:
-        _trim_heap()
+        trim_heap()
         self._start = _status()
         self._peak = {k: self._start[k] for k in self._peak}
         try:
@@ -180,7 +181,7 @@ class RssProbe:
             self._peak[key] = max(self._peak[key], status[key])
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give free heap pages back to the kernel (glibc), so a phase that reuses memory freed
     by an earlier phase shows its allocations as an increase instead of hiding them."""
     global _malloc_trim

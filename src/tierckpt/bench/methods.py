@@ -27,7 +27,14 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 import tierckpt
-from tierckpt.bench.measure import RssProbe, VerificationError, check_equal, local_tensors, rss_anon
+from tierckpt.bench.measure import (
+    RssProbe,
+    VerificationError,
+    check_equal,
+    local_tensors,
+    rss_anon,
+    trim_heap,
+)
 
 __all__ = ["METHODS", "Rank", "Recorder", "leak_check"]
 
@@ -260,18 +267,33 @@ def tierckpt_dcp(ctx: Rank, rec: Recorder) -> None:
     ctx.remove("tierckpt_dcp")
 
 
-def leak_check(ctx: Rank, state: dict[str, Any], saves: int) -> list[int]:
-    """``saves`` consecutive ``Checkpointer.save`` of ``state``; anonymous RSS after each."""
+def leak_check(ctx: Rank, state: dict[str, Any], saves: int) -> dict[str, list[int]]:
+    """``saves`` consecutive saves of ``state``, anonymous RSS after each (free heap trimmed first).
+
+    "tierckpt": ``Checkpointer.save`` + ``result()``; "dcp_fs": DCP FileSystemWriter saves, the
+    reference for what DCP's own planning and collectives leave behind per save.
+    """
     cfg = tierckpt.CheckpointConfig(
         namespace="bench-leak", memory_dir=str(ctx.fresh_dir("leak")), memory_steps_retained=1
     )
-    anon = []
+    series: dict[str, list[int]] = {"tierckpt": [], "dcp_fs": []}
     with tierckpt.Checkpointer(cfg) as ck:
         for step in range(1, saves + 1):
             ck.save(step, state).result()
-            anon.append(rss_anon())
+            series["tierckpt"].append(_settled_anon())
     ctx.remove("leak")
-    return anon
+    for _ in range(saves):
+        path = ctx.fresh_dir("leak")
+        dcp_save(state, storage_writer=FileSystemWriter(path))
+        series["dcp_fs"].append(_settled_anon())
+    ctx.remove("leak")
+    return series
+
+
+def _settled_anon() -> int:
+    """Anonymous RSS once free heap pages went back to the kernel: what is still allocated."""
+    trim_heap()
+    return rss_anon()
 
 
 # in run order; the plug-in goes last: its process-wide runtime keeps slots mapped until exit

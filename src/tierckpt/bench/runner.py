@@ -144,5 +144,8 @@ def merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     checks = {k: all(r["checks"][k] for r in per_rank) for k in first["checks"]}
     leak = None
     if first["leak"] is not None:
-        leak = [sum(col) for col in zip(*(r["leak"] for r in per_rank), strict=True)]
+        leak = {
+            name: [sum(col) for col in zip(*(r["leak"][name] for r in per_rank), strict=True)]
+            for name in first["leak"]
+        }
     return {"methods": methods, "checks": checks, "failures": first["failures"], "leak": leak}
