@@ -15,6 +15,7 @@ After ``dcp.load`` returns, ``step`` and ``tiers_used`` tell what was loaded fro
 from __future__ import annotations
 
 import io
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -98,6 +99,7 @@ class TieredStorageReader(StorageReader):
         self._manifest: layout.Manifest | None = None
         self._records: dict[tuple[str, int], layout.ItemRecord] = {}
         self._verified: set[tuple[str, int, str, str]] = set()  # (tier, step, file, save id) checked whole
+        self._views: dict[tuple[str, int, str], memoryview] = {}  # files fetched during this load
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._log = StepLogger("reader", self.rank, config.logger)
@@ -201,6 +203,13 @@ class TieredStorageReader(StorageReader):
                 self._log.warning(step, "durable copy rejected: %s", exc)
         return frozenset()
 
+    def _fetch(self, tier: Tier, step: int, name: str, size: int) -> memoryview:
+        """A data file, fetched (mapped or downloaded) once per load."""
+        key = (tier.name, step, name)
+        if key not in self._views:
+            self._views[key] = fetch_file(tier, step, name, size)
+        return self._views[key]
+
     def _check_metadata(self, tier: Tier, manifest: layout.Manifest) -> None:
         md_raw = tier.read_file(manifest.step, layout.METADATA)
         if layout.checksum(md_raw) != manifest.metadata_xxh3:
@@ -217,7 +226,7 @@ class TieredStorageReader(StorageReader):
     def _verify_file(self, tier: Tier, manifest: layout.Manifest, name: str, present: frozenset[str]) -> None:
         records = [r for r in manifest.items if r.file == name]
         if name in present and records:
-            view = fetch_file(tier, manifest.step, name, manifest.files[name])
+            view = self._fetch(tier, manifest.step, name, manifest.files[name])
             verify_items(view, records, f"{tier.location(manifest.step)}/{name}", self.runtime.executor.map)
             self._verified.add((tier.name, manifest.step, name, manifest.save_id))
 
@@ -271,6 +280,8 @@ class TieredStorageReader(StorageReader):
         except TierckptError as exc:
             self.failure = exc
             raise
+        finally:
+            self._views.clear()  # unmap: the tensors hold copies
         self._log.info(step, "Read %d items from %s in %s", len(plan.items), sorted(set(self.tiers_used.values())), throughput(nbytes, time.perf_counter() - t0))
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -281,7 +292,7 @@ class TieredStorageReader(StorageReader):
         errors = []
         for tier in self._file_sources(rt, name):
             try:
-                view = fetch_file(tier, step, name, self._manifest.files.get(name, -1))
+                view = self._fetch(tier, step, name, self._manifest.files.get(name, -1))
                 records = [self._record_for(name, req) for req in reqs]
                 if (tier.name, step, name, self._manifest.save_id) not in self._verified:
                     verify_items(view, records, f"{tier.location(step)}/{name}", rt.executor.map)
@@ -320,7 +331,9 @@ class TieredStorageReader(StorageReader):
             if rec.data_offset + nbytes > len(raw):
                 raise IntegrityError(f"item {req.storage_index.fqn}: record shorter than its tensor")
             if nbytes:
-                src = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes, offset=rec.data_offset)
+                with warnings.catch_warnings():  # a read-only mapping: the view is only read from
+                    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+                    src = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes, offset=rec.data_offset)
             else:
                 src = torch.empty(0, dtype=torch.uint8)
             tensor = src.view(dtype).view(sizes)
