@@ -252,12 +252,6 @@ def tierckpt_dcp(ctx: Rank, rec: Recorder) -> None:
     )
     for run in ctx.runs():
         writer = tierckpt.TieredStorageWriter(cfg, step=run + 1)
-        if ctx.world_size > 1:
-            # Known bug (tests/multiprocess/test_two_ranks.py, the xfail "plain" case): dcp.save
-            # calls storage_meta() before set_up_storage_writer, which binds every rank's writer
-            # to rank 0's slots, so two ranks of a node overwrite one slot. Telling the writer
-            # its rank first (a StorageWriter method) keeps them apart; drop this once fixed.
-            writer.set_up_storage_writer(ctx.rank == 0, rank=ctx.rank)
         s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=writer)
         rec.add(run, "save", s, probe)
         ctx.zero_target()
