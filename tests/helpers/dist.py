@@ -20,7 +20,8 @@ import multiprocessing as mp
 import multiprocessing.connection
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["RankFailed", "RankTimeout", "run_alone", "run_ranks", "start_alone"]
 

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-
-# tests/ holds the shared helpers package; make it importable however pytest was started
-_TESTS = str(Path(__file__).resolve().parents[1])
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from helpers.dist import run_alone, run_ranks
-from helpers.state import assert_state_equal, from_wire, small_state, to_wire, zeros_like_state
 from torch.distributed.checkpoint.api import CheckpointException
 
 import tierckpt
+from tests.helpers.dist import run_alone, run_ranks
+from tests.helpers.state import assert_state_equal, from_wire, small_state, to_wire, zeros_like_state
 
 NS = "corrupt"
 
@@ -154,18 +154,7 @@ def test_flipped_newest_step_without_durable_copy_falls_back_to_older_step(tiers
         assert any("older step" in m or ("skip" in m.lower() and "3" in m) for m in out["warnings"]), out["warnings"]
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(k, marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: TieredStorageReader(step=None) agrees on the newest step before checking its "
-            ".metadata, so dcp.load raises IntegrityError instead of falling back to the older step "
-            "(only Checkpointer.load retries)",
-        )) if k == "metadata" else k
-        for k in KINDS
-    ],
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_flipped_newest_step_without_durable_copy_dcp_reader_falls_back(tiers, kind):
     for rank, out in enumerate(_no_durable_copy_of_newest(tiers, kind)):
         assert out.get("step") == 2 and 3 in out["skipped"], out.get("error", out.get("skipped"))
@@ -229,11 +218,6 @@ def _load_alone_dcp(memory_dir: str) -> dict:
     return {"step": reader.step, "state": to_wire(sd)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: TieredStorageReader(step=None) verifies only the loading rank's own file before "
-    "agreeing; a bad file it reads later fails dcp.load instead of falling back to the older step",
-)
 def test_flipped_file_only_read_after_agreement_dcp_reader_falls_back(tiers):
     mem, _, _ = tiers
     flip_kind(mem / NS / "step_3", "data")

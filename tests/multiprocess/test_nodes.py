@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from helpers.dist import run_ranks
-from helpers.state import assert_state_equal, from_wire, small_state, to_wire, zeros_like_state
 
 import tierckpt
+from tests.helpers.dist import run_ranks
+from tests.helpers.state import assert_state_equal, from_wire, small_state, to_wire, zeros_like_state
 
 NS = "nodes"
 
@@ -111,9 +111,7 @@ def test_newest_step_only_in_one_nodes_memory_agrees_on_older_durable_step(shm, 
 def _save_dcp(rank: int, node_dirs: list[str], durable_url: str, steps: list[int]) -> dict:
     cfg = _config(node_dirs[rank], durable_url, memory_steps_retained=2)
     for step in steps:
-        writer = tierckpt.TieredStorageWriter(cfg, step=step, durable=True)
-        writer.set_up_storage_writer(rank == 0, rank=rank)  # sidestep the rank-0 binding bug (test_two_ranks)
-        dcp.save(small_state(step, rank), storage_writer=writer)
+        dcp.save(small_state(step, rank), storage_writer=tierckpt.TieredStorageWriter(cfg, step=step, durable=True))
     ns = Path(node_dirs[rank]) / NS
     return {
         "committed": sorted(p.name for p in ns.glob("step_*") if (p / "COMMITTED").is_file()),
@@ -134,12 +132,6 @@ def test_dcp_plugins_on_two_nodes_load_the_same_step(shm, durable):
     assert loaded[0]["files"]["__0_0.distcp"] == "memory"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with the DCP plug-ins only the coordinator's node commits a step in memory; "
-    "other nodes keep every save in .staging (metadata never reachable there) and allocate a "
-    "new shared-memory slot per save without bound",
-)
 def test_dcp_plugins_on_two_nodes_commit_each_nodes_memory(shm, durable):
     url, _ = durable
     nodes = [shm("nodeA"), shm("nodeB")]

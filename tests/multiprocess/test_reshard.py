@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.dist import run_alone, run_ranks
-from helpers.state import assert_state_equal, from_wire, seeded, to_wire
 
 import tierckpt
+from tests.helpers.dist import run_alone, run_ranks
+from tests.helpers.state import assert_state_equal, from_wire, seeded, to_wire
 
 NS = "reshard"
 STEP = 12
@@ -128,7 +128,7 @@ def test_two_ranks_reshard_to_one_and_four(shm, durable):
         f"""
         import sys, torch
         import torch.distributed.checkpoint as dcp
-        from helpers.state import assert_state_equal, seeded
+        from tests.helpers.state import assert_state_equal, seeded
         full = {{
             "emb": seeded("emb", {STEP}, (10, 16)),
             "proj": seeded("proj", {STEP}, (6, 9), torch.bfloat16),
@@ -142,6 +142,6 @@ def test_two_ranks_reshard_to_one_and_four(shm, durable):
         print("plain-dcp-ok")
         """
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}  # the repo root
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "plain-dcp-ok" in proc.stdout, proc.stderr[-3000:]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from helpers.dist import run_ranks
-from helpers.state import assert_state_equal, from_wire, small_state, to_wire, zeros_like_state
 
 import tierckpt
+from tests.helpers.dist import run_ranks
+from tests.helpers.state import assert_state_equal, from_wire, small_state, to_wire, zeros_like_state
 
 NS = "two-ranks"
 
@@ -59,19 +59,12 @@ def test_checkpointer_two_ranks_resume_from_memory(shm):
             assert_state_equal(from_wire(out["state"]), small_state(expect_step, rank))
 
 
-def _writer(cfg: tierckpt.CheckpointConfig, rank: int, prebind: bool, **kw) -> tierckpt.TieredStorageWriter:
-    writer = tierckpt.TieredStorageWriter(cfg, **kw)
-    if prebind:  # work around the rank-0 binding bug (see test ids): tell the writer its rank first
-        writer.set_up_storage_writer(rank == 0, rank=rank)
-    return writer
-
-
-def _save_dcp(rank: int, memory_dir: str, steps: list[int], prebind: bool) -> None:
+def _save_dcp(rank: int, memory_dir: str, steps: list[int]) -> None:
     cfg = _config(memory_dir, memory_steps_retained=3)
     for step in steps[:-1]:
-        dcp.save(small_state(step, rank), storage_writer=_writer(cfg, rank, prebind, step=step))
+        dcp.save(small_state(step, rank), storage_writer=tierckpt.TieredStorageWriter(cfg, step=step))
     last = steps[-1]
-    fut = dcp.async_save(small_state(last, rank), storage_writer=_writer(cfg, rank, prebind, path=f"run/step_{last}"))
+    fut = dcp.async_save(small_state(last, rank), storage_writer=tierckpt.TieredStorageWriter(cfg, path=f"run/step_{last}"))
     fut.result(timeout=60)
 
 
@@ -82,25 +75,9 @@ def _load_dcp(rank: int, memory_dir: str, step: int | None) -> dict:
     return {"step": reader.step, "tiers": sorted(set(reader.tiers_used.values())), "state": to_wire(sd)}
 
 
-@pytest.mark.parametrize(
-    "prebind",
-    [
-        pytest.param(
-            False, id="plain",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="BUG: TieredStorageWriter.storage_meta() (called by dcp.save before "
-                "set_up_storage_writer) binds the runtime to rank 0 on every rank, so two ranks of "
-                "one node share .slots/rank_0 and one truncates the slot the other is copying into "
-                "(SIGBUS)",
-            ),
-        ),
-        pytest.param(True, id="rank-prebound"),
-    ],
-)
-def test_dcp_plugins_two_ranks_resume_from_memory(shm, prebind):
+def test_dcp_plugins_two_ranks_resume_from_memory(shm):
     mem = shm()
-    run_ranks(_save_dcp, 2, mem, [5, 6, 7], prebind)
+    run_ranks(_save_dcp, 2, mem, [5, 6, 7])
     # each rank stages into its own slots (.slots/rank_<r>), never into another rank's
     assert sorted(p.name for p in (Path(mem) / NS / ".slots").iterdir()) == ["rank_0", "rank_1"]
     for want, expect_step in ((None, 7), (5, 5)):
