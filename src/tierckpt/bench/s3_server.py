@@ -106,6 +106,7 @@ class LocalS3Server:
             self.weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-s3.config={self.root / 's3.json'}", "-webdav=false", "-admin.ui=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
+            "-s3.autoCreateBucket=false",  # like AWS: a missing bucket is an error, not a new bucket
             f"-filer.localSocket={self.root / 'filer.sock'}",
         ]
         cmd += [f"-{name}={port}" for name, port in self.ports.items()]

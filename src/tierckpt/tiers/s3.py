@@ -142,9 +142,9 @@ class S3Tier:
         if layout.MANIFEST not in files:
             raise ValueError("commit needs the manifest among its files")
         base = self.step_key(step)
-        present = {key[len(base) :]: size for key, size in self._list(base)}
+        present = {key[len(base) :]: size for key, size in self._list(base, DurableWriteError)}
         if layout.MARKER in present:
-            self._delete_keys([self.key(step, layout.MARKER)])
+            self._delete_keys([self.key(step, layout.MARKER)], error=DurableWriteError)
         manifest = layout.Manifest.from_bytes(files[layout.MANIFEST], where=f"{self.location(step)}/{layout.MANIFEST}")
         wrong = sorted(n for n, size in manifest.files.items() if present.get(n) != size)
         if wrong:
@@ -155,7 +155,7 @@ class S3Tier:
             )
         stale = [n for n in present if n not in manifest.files and n not in files and n != layout.MARKER]
         if stale:  # files of an older save of this step (another world size): not part of this one
-            self._delete_keys([self.key(step, n) for n in stale])
+            self._delete_keys([self.key(step, n) for n in stale], error=DurableWriteError)
         for name in sorted(files, key=lambda n: n == layout.MANIFEST):  # the manifest last
             self._put_small(self.key(step, name), files[name])
         self._put_marker(step, layout.marker_bytes(save_id, files[layout.MANIFEST]))
@@ -166,13 +166,15 @@ class S3Tier:
         self._delete_keys(rest)
 
     # -- helpers ----------------------------------------------------------------------
-    def _list(self, prefix: str) -> Iterator[tuple[str, int]]:
+    def _list(self, prefix: str, error: type[StorageError] = StorageError) -> Iterator[tuple[str, int]]:
         token: str | None = None
         while True:
             kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix}
             if token:
                 kwargs["ContinuationToken"] = token
-            page = self.retrier.call(lambda: self.client.list_objects_v2(**kwargs), what="listing", key=prefix)
+            page = self.retrier.call(
+                lambda: self.client.list_objects_v2(**kwargs), what="listing", key=prefix, error=error
+            )
             for obj in page.get("Contents", ()):
                 yield obj["Key"], int(obj["Size"])
             token = page.get("NextContinuationToken") if page.get("IsTruncated") else None
@@ -183,11 +185,14 @@ class S3Tier:
         """A re-save of a committed step: hide the old copy before overwriting its files."""
         key = self.key(step, layout.MARKER)
         try:
-            self.retrier.call(lambda: self.client.head_object(Bucket=self.bucket, Key=key), what="check", key=key)
+            self.retrier.call(
+                lambda: self.client.head_object(Bucket=self.bucket, Key=key), what="check", key=key,
+                error=DurableWriteError,
+            )
         except CheckpointNotFoundError:
             return
         _log.info("step %d at %s is saved again: removing its commit marker first", step, self.location(step))
-        self._delete_keys([key])
+        self._delete_keys([key], error=DurableWriteError)
 
     def _put_small(self, key: str, data: bytes, **extra: Any) -> None:
         self.retrier.call(
@@ -218,17 +223,17 @@ class S3Tier:
                 self.conditional_put = False
         self._put_small(key, body)
 
-    def _delete_keys(self, keys: list[str]) -> None:
+    def _delete_keys(self, keys: list[str], error: type[StorageError] = StorageError) -> None:
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             reply = self.retrier.call(
                 lambda: self.client.delete_objects(Bucket=self.bucket, Delete=batch),
-                what="delete", key=keys[i],
+                what="delete", key=keys[i], error=error,
             )
             errors = reply.get("Errors") or []
             if errors:
                 first = errors[0]
-                raise StorageError(
+                raise error(
                     f"S3 could not delete {len(errors)} object(s), e.g. s3://{self.bucket}/{first.get('Key')}: "
                     f"{first.get('Code')} {first.get('Message', '')}; check the credentials may delete",
                     tier=self.name, path=f"s3://{self.bucket}/{first.get('Key')}",

@@ -54,13 +54,14 @@ def error_code(exc: BaseException) -> tuple[str, int]:
 
 def _transient(exc: BaseException) -> bool:
     from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError, IncompleteReadError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
     from urllib3.exceptions import HTTPError as Urllib3Error
 
     if isinstance(exc, ClientError):
         code, status = error_code(exc)
         return code in _RETRY_CODES or status in _RETRY_STATUS
-    if isinstance(exc, (HTTPClientError, IncompleteReadError, Urllib3Error, http.client.HTTPException,
-                        ShortReadError, ConnectionError, TimeoutError)):
+    if isinstance(exc, (HTTPClientError, BotoConnectionError, IncompleteReadError, Urllib3Error,
+                        http.client.HTTPException, ShortReadError, ConnectionError, TimeoutError)):
         return True
     return isinstance(exc, BotoCoreError) and "timeout" in type(exc).__name__.lower()
 
