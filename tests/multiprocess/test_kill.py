@@ -65,12 +65,12 @@ def _config(memory_dir: str, durable_url: str | None, every: int) -> tierckpt.Ch
 
 
 # -- timed kills ---------------------------------------------------------------------------
-def _resume_and_save(memory_dir: str, durable_url: str | None, every: int, mib: int, log_path: str) -> None:
+def _resume_and_save(memory_dir: str, durable_url: str | None, every: int, mib: int, log_path: str, run: int) -> None:
     """Resume (checking what was loaded), then save forever; log each step as it is acknowledged."""
-    log = open(log_path, "a", buffering=1)
+    log = open(log_path, "a", buffering=1)  # line-buffered; this process only ends by SIGKILL
 
     def note(**kw) -> None:
-        log.write(json.dumps({"pid": os.getpid(), **kw}) + "\n")
+        log.write(json.dumps({"run": run, **kw}) + "\n")
 
     with tierckpt.Checkpointer(_config(memory_dir, durable_url, every)) as ck:
         sd = expected(0, mib)
@@ -94,21 +94,21 @@ def _resume_and_save(memory_dir: str, durable_url: str | None, every: int, mib: 
             prev, step = handle, step + 1
 
 
-def _entries(log_path: Path, pid: int) -> list[dict]:
+def _entries(log_path: Path, run: int) -> list[dict]:
     if not log_path.exists():
         return []
     lines = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
-    return [e for e in lines if e["pid"] == pid]
+    return [e for e in lines if e["run"] == run]
 
 
 def _kill_rounds(mem: str, url: str | None, every: int, mib: int, log_path: Path, delays: list[float]) -> list[dict]:
     rounds, acked, staged = [], None, None
-    for delay in delays:
-        proc = start_alone(_resume_and_save, mem, url, every, mib, str(log_path))
+    for run, delay in enumerate(delays):
+        proc = start_alone(_resume_and_save, mem, url, every, mib, str(log_path), run)
         try:
             deadline = time.monotonic() + 60
-            while not any("staged" in e for e in _entries(log_path, proc.pid)):
-                assert proc.is_alive(), f"saver died on its own (exit code {proc.exitcode}): {_entries(log_path, proc.pid)}"
+            while not any("staged" in e for e in _entries(log_path, run)):
+                assert proc.is_alive(), f"saver died on its own (exit code {proc.exitcode}): {_entries(log_path, run)}"
                 assert time.monotonic() < deadline, "saver made no progress in 60 s"
                 time.sleep(0.005)
             time.sleep(delay)
@@ -117,7 +117,7 @@ def _kill_rounds(mem: str, url: str | None, every: int, mib: int, log_path: Path
             proc.kill()
             proc.join(30)
         assert proc.exitcode == -signal.SIGKILL
-        got = _entries(log_path, proc.pid)
+        got = _entries(log_path, run)
         start = got[0]
         assert start["ok"], f"resumed step {start['resumed']} is not what was saved at that step"
         resumed = -1 if start["resumed"] is None else start["resumed"]
