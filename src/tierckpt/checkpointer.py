@@ -113,6 +113,7 @@ class Checkpointer:
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._drainer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-drain")
         self._inflight: Future[None] | None = None
+        self._drains: list[Future[None]] = []  # running or queued durable copies, oldest first
         self._closed = False
         self.node_leader, self.shares_coordinator_node = True, True
         self._commit_group: dist.ProcessGroup | None = None
@@ -227,9 +228,27 @@ class Checkpointer:
             handle._future.set_result(None)
             return
         assert writer._plan_data is not None
+        self._bound_drain_queue(step)
         pins = [self._pin(step, name, writer._plan_data.save_id) for name in writer.files_written]
         future = self._drainer.submit(self._drain, step, writer._plan_data, pins, small)
         future.add_done_callback(lambda f: _chain(f, handle._future))
+        self._drains.append(future)
+
+    def _bound_drain_queue(self, step: int) -> None:
+        """Back-pressure: at most one durable copy running and one queued.
+
+        Each queued copy pins a whole slot, so an unbounded queue behind a slow durable
+        tier would grow shared memory by one step per save. Waiting here holds up the next
+        save, identically on every rank (dropping queued copies instead could differ between
+        ranks, whose drains run collectives together).
+        """
+        self._drains = [f for f in self._drains if not f.done()]
+        if len(self._drains) >= 2:
+            self.log.warning(step, "durable tier slower than saves: waiting for the copy of an earlier "
+                             "step (raise durable_every_n_steps to avoid this stall)")
+            while len(self._drains) >= 2:
+                self._drains[0].exception()
+                self._drains = [f for f in self._drains if not f.done()]
 
     def _commit_other_nodes(self, writer: TieredStorageWriter) -> tuple[bytes, bytes] | None:
         """Make the step visible in every node's memory tier, not just the coordinator's."""

@@ -14,6 +14,7 @@ After ``dcp.load`` returns, ``step`` and ``tiers_used`` tell what was loaded fro
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import warnings
 from collections.abc import Iterable
@@ -36,7 +37,7 @@ from torch.futures import Future
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
-from tierckpt.dcp.agree import Availability, choose_step, gather
+from tierckpt.dcp.agree import Availability, choose_step
 from tierckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -100,6 +101,7 @@ class TieredStorageReader(StorageReader):
         self._records: dict[tuple[str, int], layout.ItemRecord] = {}
         self._verified: set[tuple[str, int, str, str]] = set()  # (tier, step, file, save id) checked whole
         self._views: dict[tuple[str, int, str], memoryview] = {}  # files fetched during this load
+        self._bad: set[tuple[str, int, str]] = set()  # copies already found damaged
         self._storage_data: dict[MetadataIndex, Any] = {}
         self._chunks: dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]] = {}
         self._log = StepLogger("reader", self.rank, config.logger)
@@ -131,35 +133,35 @@ class TieredStorageReader(StorageReader):
     def _read_metadata(self) -> Metadata:
         rt = self.runtime
         local = self._local_availability(rt)
-        everyone = [local] if self.single_process else gather(local, self.group)
-        choice = choose_step(everyone, self.requested, namespace=self.config.namespace)
-        if choice is None:
-            raise CheckpointNotFoundError(
-                f"namespace {self.config.namespace!r} has no checkpoint in any tier"
-            )
+        everyone = self._gather(local)
+        while True:  # every rank runs the same rounds: the choice and the verdicts are shared
+            choice = choose_step(everyone, self.requested, namespace=self.config.namespace)
+            if choice is None:
+                raise CheckpointNotFoundError(
+                    f"namespace {self.config.namespace!r} has no checkpoint in any tier"
+                )
+            self._in_memory = local.memory.get(choice.step, frozenset())
+            verdicts = self._gather(self._preverify(rt, choice.step))
+            failed = [v for v in verdicts if v]
+            if not failed:
+                break
+            everyone = [_demote(a, choice.step, "; ".join(failed)) for a in everyone]
+            local = _demote(local, choice.step, "; ".join(failed))
         self.step, self.skipped = choice.step, choice.skipped
         for step, reason in self.skipped:
             self._log.warning(step, "skipped: %s; loading step %d instead", reason, choice.step)
-        self._in_memory = local.memory.get(choice.step, frozenset())
         metadata = self._read_verified_metadata(rt, choice.step)
         if self.expect is not None:
             _check_state_dict(self.expect, metadata, choice.step)
         return metadata
 
     def _local_availability(self, rt: RankRuntime) -> Availability:
-        """What this rank can load, with the newest candidate checked before anyone agrees.
-
-        For its newest memory step this rank checks the seal, the metadata and the files
-        ``__k_*`` with ``k % world_size == rank`` (so together the ranks check every file,
-        whatever the world size was at save time); rank 0 checks the seal and metadata of
-        the newest durable step. Failures demote the step and the next one is checked, so
-        plain ``dcp.load`` lands on the newest step that loads instead of failing.
-        """
+        """What this rank can load: memory steps whose seal and metadata check out; on rank 0
+        the durable steps, the newest of them with its seal and metadata checked."""
         memory: dict[int, frozenset[str]] = {}
         files: dict[int, frozenset[str]] = {}
         bad: dict[int, str] = {}
         listings = [s for s in rt.memory.list_steps() if s.step not in self.exclude]
-        verified_one = False
         for listing in sorted(listings, key=lambda s: s.step, reverse=True):
             if self.requested is not None and listing.step != self.requested:
                 continue
@@ -168,12 +170,7 @@ class TieredStorageReader(StorageReader):
                 present = frozenset(
                     n for n, size in manifest.files.items() if listing.files.get(n) == size
                 )
-                if not verified_one:
-                    self._check_metadata(rt.memory, manifest)
-                    for name in sorted(present):
-                        if _file_rank(name) % self._world_size() == self.rank:
-                            self._verify_file(rt.memory, manifest, name, present)
-                    verified_one = True
+                self._check_metadata(rt.memory, manifest)
             except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
                 bad[listing.step] = f"memory copy rejected ({exc})"
                 continue
@@ -187,6 +184,48 @@ class TieredStorageReader(StorageReader):
                 self._log.warning(None, "durable tier unavailable, using memory only: %s", exc)
                 durable, durable_error = frozenset(), str(exc)
         return Availability(self.rank, memory, files, durable, bad, durable_error)
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self.single_process or not (dist.is_available() and dist.is_initialized()):
+            return [value]
+        out: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _preverify(self, rt: RankRuntime, step: int) -> str | None:
+        """Check this rank's share of the step's files before anyone reads: None if all good.
+
+        The share is every file ``__k_*`` with ``k % world_size == rank``, so together the
+        ranks check every file whatever the world size was at save time. Each file is
+        checked in the tier this rank would read it from, falling back to the next tier; the
+        fetched copies are kept for ``read_data``. A file no tier holds a good copy of makes
+        the step unloadable, and every rank moves on to an older one (unless one was asked for).
+        """
+        sources = self._file_sources(rt, None)
+        manifest = None
+        for tier in sources:
+            try:
+                manifest = self._sealed_manifest(tier, step)
+                break
+            except (IntegrityError, StorageError, CheckpointNotFoundError):
+                continue
+        if manifest is None:
+            return f"rank {self.rank}: no tier holds a sealed manifest of step {step}"
+        world = self._world_size()
+        for name in sorted(manifest.files):
+            if _file_rank(name) % world != self.rank:
+                continue
+            errors = []
+            for tier in self._file_sources(rt, name):
+                try:
+                    self._verify_file(tier, manifest, name, frozenset(manifest.files))
+                    break
+                except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
+                    errors.append(f"{tier.name}: {exc}")
+                    self._bad.add((tier.name, step, name))
+            else:
+                return f"rank {self.rank}: no good copy of {name} ({'; '.join(errors) or 'no tier holds it'})"
+        return None
 
     def _durable_candidates(self, durable: Tier) -> frozenset[int]:
         """Committed durable steps, dropping newest ones whose seal or metadata is damaged."""
@@ -291,6 +330,8 @@ class TieredStorageReader(StorageReader):
         assert self._manifest is not None
         errors = []
         for tier in self._file_sources(rt, name):
+            if (tier.name, step, name) in self._bad:
+                continue
             try:
                 view = self._fetch(tier, step, name, self._manifest.files.get(name, -1))
                 records = [self._record_for(name, req) for req in reqs]
@@ -349,6 +390,16 @@ class TieredStorageReader(StorageReader):
             )
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _demote(a: Availability, step: int, reason: str) -> Availability:
+    """``a`` with ``step`` marked unloadable in every tier, for the next round of choosing."""
+    return dataclasses.replace(
+        a,
+        memory={s: f for s, f in a.memory.items() if s != step},
+        durable=None if a.durable is None else a.durable - {step},
+        bad={**a.bad, step: reason},
+    )
 
 
 def _file_rank(name: str) -> int:

@@ -8,6 +8,7 @@ either the old state or the new committed step, never a torn one.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -170,9 +171,14 @@ class LocalTier:
             )
             if self.durable:
                 _fsync_dir(staging)
-            if final.exists():  # a re-save of the same step replaces the old copy
-                self._to_trash(final)
-            os.rename(staging, final)
+            if final.exists():  # a re-save replaces the old copy in one atomic swap
+                if _exchange(staging, final):
+                    self._to_trash(staging)  # now holds the old copy
+                else:  # no RENAME_EXCHANGE here (old kernel, some network filesystems)
+                    self._to_trash(final)
+                    os.rename(staging, final)
+            else:
+                os.rename(staging, final)
             if self.durable:
                 _fsync_dir(self.ns_dir)
         except OSError as exc:
@@ -273,6 +279,26 @@ class LocalTier:
             f"{self.name} tier could not {what} {path}{hint} ({exc.strerror or exc})",
             tier=self.name, path=str(path), step=step,
         )
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2); False where the platform cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
 
 
 def _owner_alive(owner_name: str) -> bool:
