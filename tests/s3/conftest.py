@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,13 +33,6 @@ _ISOLATE = {  # nothing from the developer's own AWS setup may leak into the tes
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
-    for item in items:
-        if here in Path(str(item.fspath)).parents:
-            item.add_marker(pytest.mark.s3)
-
-
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[LocalS3Server]:
     if find_weed() is None:
@@ -47,10 +41,34 @@ def s3_server() -> Iterator[LocalS3Server]:
     server = LocalS3Server(root)
     try:
         server.start()
+        _wait_writable(server)
         yield server
     finally:
         server.stop()  # SIGTERM to the PID it started, SIGKILL if it lingers
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_writable(server: LocalS3Server, timeout: float = 30.0) -> None:
+    """S3 answers before its volume server takes writes; the first test must not see that."""
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3", endpoint_url=server.endpoint_url, aws_access_key_id=server.access_key,
+        aws_secret_access_key=server.secret_key, region_name="us-east-1",
+        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+    )
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if "warm-up" not in [b["Name"] for b in client.list_buckets().get("Buckets", [])]:
+                client.create_bucket(Bucket="warm-up")
+            client.put_object(Bucket="warm-up", Key="probe", Body=b"x")
+            return
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 @pytest.fixture

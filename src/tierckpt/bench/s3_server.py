@@ -11,6 +11,7 @@ every port, gRPC ones included, is a free loopback port chosen at start.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -141,11 +142,15 @@ class LocalS3Server:
                 return False
             try:
                 urllib.request.urlopen(self.endpoint_url + "/", timeout=1).close()
-                return True
+                answered = True
             except urllib.error.HTTPError:
-                return True  # 403 to an unsigned request: S3 is answering
-            except OSError:
-                time.sleep(0.05)
+                answered = True  # 403 to an unsigned request: S3 is answering
+            except (OSError, http.client.HTTPException):
+                answered = False
+            if answered:  # and it is ours: a port taken by someone else makes weed exit
+                time.sleep(0.2)
+                return self.proc.poll() is None
+            time.sleep(0.05)
         return False
 
     def stop(self, timeout: float = 15.0) -> None:
