@@ -243,18 +243,7 @@ def test_lost_memory_root_and_flipped_durable_newest_falls_back_to_older_durable
     assert any("3" in m for out in outs for m in out["warnings"]), [o["warnings"] for o in outs]
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param("data", marks=pytest.mark.xfail(
-            strict=True,
-            reason="BUG: with no memory copy, TieredStorageReader(step=None) checks only the seal and "
-            "metadata of the newest durable step before agreeing; a damaged durable data file then "
-            "fails dcp.load instead of falling back to the older step (Checkpointer.load retries)",
-        )),
-        "metadata",
-    ],
-)
+@pytest.mark.parametrize("kind", ["data", "metadata"])
 def test_lost_memory_root_and_flipped_durable_newest_dcp_reader_falls_back(tiers, kind):
     for rank, out in enumerate(_lost_memory_flipped_durable(tiers, kind)):
         assert out.get("step") == 2, out.get("error")

@@ -291,6 +291,14 @@ def _install(point: str, memory_dir: str, durable_root: str | None) -> None:
                 return orig(self, path)
             return f
         wrap(local.LocalTier, "_to_trash", to_trash)
+    elif point == "memory-after-trash":  # a re-save has moved one copy of the step to the trash
+        def to_trash_then_die(orig):
+            def f(self, path):
+                orig(self, path)
+                if _ARMED[0] and self.name == "memory":
+                    _die()
+            return f
+        wrap(local.LocalTier, "_to_trash", to_trash_then_die)
     elif point == "durable-torn-copy":
         def copy_file(orig):
             def f(source, dest, *, fsync):
@@ -363,7 +371,7 @@ def test_pinned_kill9(shm, durable, point):
 
 
 def _resave_newest(memory_dir: str) -> None:
-    _install("memory-before-rename", memory_dir, None)
+    _install("memory-after-trash", memory_dir, None)
     cfg = _config(memory_dir, None, 0).replace(memory_steps_retained=1)
     with tierckpt.Checkpointer(cfg) as ck:
         sd = expected(0, PINNED_MIB)
@@ -383,11 +391,6 @@ def _load_newest(memory_dir: str, mib: int) -> dict:
         return {"step": step, "ok": step is not None and equal(sd, step, mib)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: LocalTier.commit moves the committed step_N to the trash before renaming the new "
-    "copy into place; a kill in between loses step N (with memory_steps_retained=1, everything)",
-)
 def test_kill9_while_resaving_the_newest_step_keeps_it(shm):
     mem = shm("resave")
     proc = start_alone(_resave_newest, mem)
@@ -395,7 +398,7 @@ def test_kill9_while_resaving_the_newest_step_keeps_it(shm):
     if proc.is_alive():
         proc.kill()
         proc.join(10)
-    assert proc.exitcode == -signal.SIGKILL, f"the re-save never reached its commit (exit code {proc.exitcode})"
+    assert proc.exitcode == -signal.SIGKILL, f"the re-save never moved a copy to the trash (exit code {proc.exitcode})"
     # the only committed step (memory_steps_retained=1) must survive a re-save that died
     out = run_alone(_load_newest, mem, PINNED_MIB)
     assert out["step"] == KILL_STEP and out["ok"], out
@@ -480,11 +483,6 @@ def _save_ahead_of_slow_drain(memory_dir: str, durable_url: str, mib: int, steps
                 "durable": sorted(i.step for i in ck.steps() if "durable" in i.tiers)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the drain queue is unbounded: every save whose durable copy waits behind a slow "
-    "drain keeps its slot pinned, so shared memory grows by one step per save (10 slots for 10 saves)",
-)
 def test_slow_durable_tier_keeps_shared_memory_bounded(shm, durable):
     url, _ = durable
     out = run_alone(_save_ahead_of_slow_drain, shm("slow"), url, 8, 10, 0.25, timeout=120)
