@@ -114,6 +114,7 @@ class Checkpointer:
         self._drainer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-drain")
         self._inflight: Future[None] | None = None
         self._drains: list[Future[None]] = []  # running or queued durable copies, oldest first
+        self._saves = 0  # saves committed by this Checkpointer: the same count on every rank
         self._closed = False
         self.node_leader, self.shares_coordinator_node = True, True
         self._commit_group: dist.ProcessGroup | None = None
@@ -204,6 +205,8 @@ class Checkpointer:
         writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
         writer._snapshot = snap
         writer._commit_nodes = False  # _commit_other_nodes broadcasts on the commit group instead
+        self._saves += 1
+        writer._save_seq = self._saves
         try:
             try:
                 with warnings.catch_warnings():
@@ -339,6 +342,7 @@ class Checkpointer:
         if self.local:
             return self._load_local(state_dict, step)
         excluded: list[int] = []
+        failures: list[tuple[int, str]] = []
         while True:
             reader = TieredStorageReader(
                 self.config, step, process_group=self.group, exclude_steps=excluded,
@@ -357,11 +361,13 @@ class Checkpointer:
                 if isinstance(err, IntegrityError) and step is None and reader.step is not None:
                     self.log.warning(reader.step, "failed to load (%s); trying an older step", err)
                     excluded.append(reader.step)
+                    failures.append((reader.step, f"failed to load: {err}"))
                     continue
                 raise err from None
             self.last_load = {
                 "step": reader.step, "seconds": time.perf_counter() - t0,
-                "tiers": sorted(set(reader.tiers_used.values())), "skipped": list(reader.skipped) + excluded,
+                "tiers": sorted(set(reader.tiers_used.values())),
+                "skipped": failures + [tuple(s) for s in reader.skipped],  # (step, reason) pairs
             }
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
@@ -388,7 +394,8 @@ class Checkpointer:
                 error = reader.failure or _unwrap(exc)
             if localmode.confirm(error is None, self._commit_group):
                 self.last_load = {"step": chosen, "seconds": time.perf_counter() - t0,
-                                  "tiers": sorted(set(reader.tiers_used.values())), "skipped": sorted(excluded)}
+                                  "tiers": sorted(set(reader.tiers_used.values())),
+                                  "skipped": [(s, "failed to load on some rank") for s in sorted(excluded)]}
                 localmode.write_back(state_dict, local_sd)
                 return chosen
             if step is not None or isinstance(error, (StateDictMismatchError,)):

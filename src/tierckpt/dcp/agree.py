@@ -91,7 +91,11 @@ def choose_step(
                 return f"rank {a.rank} has no copy (not in its memory tier, not durable)"
             missing = files.get(step, frozenset()) - have
             if missing:
-                return f"rank {a.rank} cannot reach {', '.join(sorted(missing))} (not durable)"
+                return (
+                    f"rank {a.rank} cannot reach {', '.join(sorted(missing))}: it is only in another "
+                    "node's memory tier and the step has no durable copy (multi-node jobs need a "
+                    "durable tier to restart from memory-only steps)"
+                )
         return None
 
     if requested is not None:

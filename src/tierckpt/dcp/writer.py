@@ -114,6 +114,9 @@ class TieredStorageWriter(StorageWriter):
         self.durable_requested = durable
         self._runtime = _runtime
         self._commit_nodes = True  # Checkpointer commits other nodes itself and turns this off
+        #: the caller's save count, identical on every rank: with a cached plan (whose save id
+        #: was drawn once) it keeps each save's id unique without another collective
+        self._save_seq: int | None = None
         self.rank = _global_rank()
         self.is_coordinator = True
         self.save_id: str | None = None
@@ -231,6 +234,8 @@ class TieredStorageWriter(StorageWriter):
         pd = plan.storage_data
         if not isinstance(pd, _PlanData):
             raise TierckptError("write_data called before prepare_global_plan assigned a file")
+        if self._save_seq is not None:
+            pd = dataclasses.replace(pd, save_id=f"{pd.save_id}-{self._save_seq:x}")
         self._plan_data, self.save_id = pd, pd.save_id
         rt, step, log = self.runtime, self.step, StepLogger("writer", self.rank, self.config.logger)
         log.info(step, "Starting checkpoint write (%d items)", len(plan.items))
