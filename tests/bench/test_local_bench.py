@@ -48,6 +48,7 @@ def _check(doc: dict, world_size: int) -> None:
             assert len(f["runs_s"]) == 1 and all(s > 0 for s in f["runs_s"]), (method, fig)
             assert f["median_s"] > 0 and f["gb_per_s"] > 0
             assert f["rss_extra_bytes"] is not None and f["rss_extra_bytes"] >= 0
+            assert len(f["warmup_s"]) == (2 if method.startswith("tierckpt") else 1)
     assert doc["failures"] == {}
     assert doc["checks"] == {"tierckpt.snapshot": True}
     assert len(doc["leak"]["rss_anon_after_each"]) == 8

@@ -6,7 +6,8 @@
 
 Methods (all by default, run in this order): memcpy_numpy, memcpy_torch, torch_save, dcp_fs,
 dcp_async, tierckpt, tierckpt_dcp, leak. Each figure is the median of ``--repeats`` timed
-runs after one warm-up; every load is checked bitwise against what was saved. The report
+runs after one warm-up (two for tierckpt, whose first two saves each allocate a shared-memory
+slot; the JSON keeps warm-up times); every load is checked bitwise against what was saved. The report
 ends with the goals of issue 4 (ARCHITECTURE.md section 7), each PASS or MISS with the
 ratio measured in this run.
 
@@ -51,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=int, default=64, help="float32 tensors in the state (default 64)")
     p.add_argument("--world-size", type=int, choices=(1, 2), default=1,
                    help="1: this process; 2: two gloo ranks on 127.0.0.1, each holding half")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure after 1 warm-up (default 3)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per figure after the warm-up (default 3)")
     p.add_argument("--methods", default="all",
                    help="comma-separated subset of: " + ", ".join(runner.ALL_METHODS) + " (default all)")
     p.add_argument("--leak-mib", type=int, default=256, help="state size of the leak check (default 256)")

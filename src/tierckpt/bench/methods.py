@@ -1,9 +1,10 @@
-"""The methods the local benchmark times, each on one rank: one warm-up, then ``repeats`` timed runs.
+"""The methods the local benchmark times, each on one rank: warm-ups, then ``repeats`` timed runs.
 
 Every method gets the same ``Rank`` (its state dict, a preallocated load target, a scratch
 directory on /dev/shm shared by the ranks) and records into a ``Recorder``: per figure
 ("copy", "save", "blocking", "load") the seconds and the peak extra anonymous RSS of each
-timed run. Every load is checked bitwise against the state it came from before the next
+timed run (warm-up times are kept apart). One warm-up each, two for tierckpt's saves (its
+slot ring fills on the first two). Every load is checked bitwise against the state it came from before the next
 run; a difference raises ``VerificationError`` on every rank at the same point, so the
 ranks stay in step and the run goes on with the next method. Each method removes its files
 when done (after a failure, the run's directory goes at exit).
@@ -104,22 +105,23 @@ class Rank:
             seconds = time.perf_counter() - t0
         return seconds, probe, result
 
-    def runs(self) -> range:
-        """Run indices; run 0 is the warm-up, which ``Recorder.add`` drops."""
-        return range(self.repeats + 1)
+    def runs(self, warmups: int = 1) -> range:
+        """Run indices: negative ones are warm-ups, kept apart by ``Recorder.add``."""
+        return range(-warmups, self.repeats)
 
 
 @dataclass
 class Recorder:
-    """One method on one rank: figure → {"s": [...], "rss": [...], "rss_source": [...]}; checks."""
+    """One method on one rank: figure → {"s", "rss", "rss_source", "warmup_s": [...]}; checks."""
 
     figures: dict[str, dict[str, list[Any]]] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
 
     def add(self, run: int, figure: str, seconds: float, probe: RssProbe | None) -> None:
-        if run == 0:
+        entry = self.figures.setdefault(figure, {"s": [], "rss": [], "rss_source": [], "warmup_s": []})
+        if run < 0:
+            entry["warmup_s"].append(seconds)
             return
-        entry = self.figures.setdefault(figure, {"s": [], "rss": [], "rss_source": []})
         entry["s"].append(seconds)
         entry["rss"].append(None if probe is None else probe.extra)
         entry["rss_source"].append(None if probe is None else probe.source)
@@ -202,6 +204,11 @@ def dcp_async(ctx: Rank, rec: Recorder) -> None:
     ctx.remove("dcp_async")
 
 
+# With one step retained, tierckpt's slots form a ring of two: the first two saves each
+# allocate a slot (tmpfs pages), later ones reuse them. Both allocating saves are warm-ups.
+_SLOT_WARMUPS = 2
+
+
 def tierckpt_save(ctx: Rank, rec: Recorder) -> None:
     """``Checkpointer.save`` (blocking: the call; save: until ``result()``) and ``Checkpointer.load``."""
     cfg = tierckpt.CheckpointConfig(
@@ -209,7 +216,7 @@ def tierckpt_save(ctx: Rank, rec: Recorder) -> None:
     )
     step = 0
     with tierckpt.Checkpointer(cfg) as ck:
-        for run in ctx.runs():
+        for run in ctx.runs(_SLOT_WARMUPS):
             step += 1
             ctx.barrier()
             with RssProbe() as probe:
@@ -250,8 +257,8 @@ def tierckpt_dcp(ctx: Rank, rec: Recorder) -> None:
     cfg = tierckpt.CheckpointConfig(
         namespace="bench-dcp", memory_dir=str(ctx.fresh_dir("tierckpt_dcp")), memory_steps_retained=1
     )
-    for run in ctx.runs():
-        writer = tierckpt.TieredStorageWriter(cfg, step=run + 1)
+    for step, run in enumerate(ctx.runs(_SLOT_WARMUPS), start=1):
+        writer = tierckpt.TieredStorageWriter(cfg, step=step)
         s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=writer)
         rec.add(run, "save", s, probe)
         ctx.zero_target()

@@ -47,6 +47,7 @@ def summarise(merged: dict[str, Any], state_bytes: int, leak_bytes: int) -> dict
                 "median_s": med,
                 "best_s": min(raw["runs_s"]),
                 "runs_s": raw["runs_s"],
+                "warmup_s": raw["warmup_s"],
                 "gb_per_s": state_bytes / med / 1e9 if med > 0 else None,
                 "rss_extra_bytes": max(rss) if rss else None,
                 "rss_runs": raw["rss_runs"],
@@ -149,7 +150,7 @@ def format_report(doc: dict[str, Any]) -> str:
     cfg, env = doc["config"], doc["env"]
     lines = [
         f"tierckpt bench (local): {cfg['state_bytes'] / 2**30:.3f} GiB float32 in {cfg['tensors']} tensors, "
-        f"world size {cfg['world_size']}, median of {cfg['repeats']} after 1 warm-up",
+        f"world size {cfg['world_size']}, median of {cfg['repeats']} after warm-up (1 run; tierckpt: 2)",
         f"torch {env['torch']}, {env['torch_threads']} torch thread(s) per rank, {env['cpus']} CPUs; "
         f"load average {_load(env['load_average_start'])} at start, {_load(env['load_average_end'])} at end",
         "",

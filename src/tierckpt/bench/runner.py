@@ -140,7 +140,8 @@ def merge(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
             seconds = [max(col) for col in zip(*(r["s"] for r in runs), strict=True)]
             rss = [None if None in col else sum(col) for col in zip(*(r["rss"] for r in runs), strict=True)]
             sources = [_source(col) for col in zip(*(r["rss_source"] for r in runs), strict=True)]
-            methods[name][fig] = {"runs_s": seconds, "rss_runs": rss, "rss_source": sources}
+            warmups = [max(col) for col in zip(*(r["warmup_s"] for r in runs), strict=True)]
+            methods[name][fig] = {"runs_s": seconds, "rss_runs": rss, "rss_source": sources, "warmup_s": warmups}
     checks = {k: all(r["checks"][k] for r in per_rank) for k in first["checks"]}
     leak = None
     if first["leak"] is not None:
