@@ -1,7 +1,7 @@
-"""``tierckpt bench`` (local): tierckpt against memcpy, torch.save and DCP, same state, same run.
+"""``tierckpt bench local``: tierckpt against memcpy, torch.save and DCP, same state, same run.
 
-    tierckpt bench [--size-mib 2048] [--tensors 64] [--world-size 1|2] [--repeats 3]
-                   [--methods NAME,...] [--leak-mib 256] [--leak-saves 50] [--json PATH]
+    tierckpt bench local [--size-mib 2048] [--tensors 64] [--world-size 1|2] [--repeats 3]
+                         [--methods NAME,...] [--leak-mib 256] [--leak-saves 50] [--json PATH]
     python -m tierckpt.bench.local [same options]
 
 Methods (all by default, run in this order): memcpy_numpy, memcpy_torch, torch_save, dcp_fs,
@@ -45,7 +45,7 @@ _MIB = 2**20
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="tierckpt bench",
+        prog="tierckpt bench local",
         description="Time tierckpt against memcpy, torch.save and PyTorch DCP on /dev/shm, in one run.",
     )
     p.add_argument("--size-mib", type=int, default=2048, help="state dict size in MiB (default 2048)")
