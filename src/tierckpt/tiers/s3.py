@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 from urllib.parse import urlparse
 
 from tierckpt import layout
@@ -62,7 +64,7 @@ class S3Tier:
         self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
-    def from_config(cls, config: CheckpointConfig) -> "S3Tier":
+    def from_config(cls, config: CheckpointConfig) -> S3Tier:
         loc = config.durable
         if loc is None or loc.scheme != "s3" or loc.bucket is None:
             raise ConfigError(f"durable_url {config.durable_url!r} is not an 's3://bucket/prefix' URL")
@@ -173,7 +175,7 @@ class S3Tier:
             if token:
                 kwargs["ContinuationToken"] = token
             page = self.retrier.call(
-                lambda: self.client.list_objects_v2(**kwargs), what="listing", key=prefix, error=error
+                partial(self.client.list_objects_v2, **kwargs), what="listing", key=prefix, error=error
             )
             for obj in page.get("Contents", ()):
                 yield obj["Key"], int(obj["Size"])
@@ -207,7 +209,7 @@ class S3Tier:
                 self._put_small(key, body, IfNoneMatch="*")
                 return
             except StorageError as exc:
-                code, status = error_code(exc.__cause__)
+                code, status = error_code(exc.__cause__ or exc)
                 if code == "PreconditionFailed" or status == 412:
                     if self.read_file(step, layout.MARKER) == body:
                         return  # our own earlier try landed; its reply was lost
@@ -227,7 +229,7 @@ class S3Tier:
         for i in range(0, len(keys), 1000):
             batch = {"Objects": [{"Key": k} for k in keys[i : i + 1000]], "Quiet": True}
             reply = self.retrier.call(
-                lambda: self.client.delete_objects(Bucket=self.bucket, Delete=batch),
+                partial(self.client.delete_objects, Bucket=self.bucket, Delete=batch),
                 what="delete", key=keys[i], error=error,
             )
             errors = reply.get("Errors") or []
@@ -251,7 +253,9 @@ def _source_view(source: Source) -> Iterator[memoryview]:
         if size == 0:
             yield memoryview(b"")
             return
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        # populate: map every page up front rather than fault them in one by one while sending
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(f.fileno(), size, flags=flags, prot=mmap.PROT_READ)
     view = memoryview(mm)
     try:
         yield view

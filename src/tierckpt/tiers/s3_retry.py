@@ -12,8 +12,9 @@ import http.client
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from tierckpt.errors import CheckpointNotFoundError, StorageError, TierckptError
 from tierckpt.observability import get_logger

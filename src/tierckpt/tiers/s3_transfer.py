@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import io
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable
+from typing import Any
 
 from tierckpt.errors import StorageError
 from tierckpt.observability import get_logger
