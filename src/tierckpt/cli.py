@@ -32,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=24)
     d.add_argument("--workdir", default="demo-output")
     b = sub.add_parser("bench", help="benchmarks against the anchors")
-    b.add_argument("suite", choices=["s3"])
+    b.add_argument("suite", choices=["local", "s3"], help="local: memory tier against memcpy, torch.save, DCP")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     return p
 

@@ -297,6 +297,48 @@ def _settled_anon() -> int:
     return rss_anon()
 
 
+def paired(ctx: Rank, rec: Recorder) -> None:
+    """Rounds that time the anchors and tierckpt back to back, for ratios under the same load.
+
+    On a shared machine the load changes from minute to minute, so figures taken minutes
+    apart (the methods above run one after the other) can differ by 2x for reasons that have
+    nothing to do with the code. Each round here times, in a row: torch ``copy_`` of the
+    state into preallocated memory, ``Checkpointer.save`` (the call, then until ``result()``),
+    DCP ``FileSystemWriter``, ``Checkpointer.load`` and DCP ``FileSystemReader``; the goals
+    take the median of the per-round ratios.
+    """
+    dcp_dir = ctx.fresh_dir("paired_dcp")
+    cfg = tierckpt.CheckpointConfig(
+        namespace="paired", memory_dir=str(ctx.fresh_dir("paired")), memory_steps_retained=1
+    )
+    step = 0
+    with tierckpt.Checkpointer(cfg) as ck:
+        for run in ctx.runs(_SLOT_WARMUPS):
+            s, probe, _ = ctx.timed(_copy_all, ctx.got, ctx.expected)
+            rec.add(run, "copy", s, probe)
+            step += 1
+            ctx.barrier()
+            t0 = time.perf_counter()
+            handle = ck.save(step, ctx.state)
+            t1 = time.perf_counter()
+            handle.result()
+            t2 = time.perf_counter()
+            rec.add(run, "blocking", t1 - t0, None)
+            rec.add(run, "save", t2 - t0, None)
+            s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=FileSystemWriter(dcp_dir))
+            rec.add(run, "dcp_save", s, probe)
+            ctx.zero_target()
+            s, probe, loaded = ctx.timed(ck.load, ctx.target)
+            ctx.verify("paired Checkpointer.load", problem=None if loaded == step else f"loaded step {loaded}")
+            rec.add(run, "load", s, probe)
+            ctx.zero_target()
+            s, probe, _ = ctx.timed(dcp_load, ctx.target, storage_reader=FileSystemReader(dcp_dir))
+            ctx.verify("paired DCP FileSystemReader")
+            rec.add(run, "dcp_load", s, probe)
+    ctx.remove("paired")
+    ctx.remove("paired_dcp")
+
+
 # in run order; the plug-in goes last: its process-wide runtime keeps slots mapped until exit
 METHODS: dict[str, Callable[[Rank, Recorder], None]] = {
     "memcpy_numpy": memcpy_numpy,
@@ -306,4 +348,5 @@ METHODS: dict[str, Callable[[Rank, Recorder], None]] = {
     "dcp_async": dcp_async,
     "tierckpt": tierckpt_save,
     "tierckpt_dcp": tierckpt_dcp,
+    "paired": paired,
 }
