@@ -66,8 +66,22 @@ class Stager:
         self._pinned: dict[str, int] = {}  # slot name → registered pointer
 
     def stage(self, state_dict: dict[str, Any]) -> Snapshot:
+        """Copy a state dict's tensors (DTensors: their local shards); keep a shadow state dict."""
         flat, _ = flatten_state_dict(state_dict)
         tensors = {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+        snap = self._take(tensors)
+        snap.state_dict = _rebuild(state_dict, "", snap.views)
+        return snap
+
+    def stage_items(self, items: Any, planner: Any) -> Snapshot:
+        """Synchronous saves: copy the tensors of a DCP plan (as the planner resolves them)."""
+        tensors: dict[str, torch.Tensor] = {}
+        for item in items:
+            if item.tensor_data is not None and item.index.fqn not in tensors:
+                tensors[item.index.fqn] = planner.resolve_data(item)
+        return self._take(tensors)
+
+    def _take(self, tensors: dict[str, torch.Tensor]) -> Snapshot:
         offsets, records, total = self._plan(tensors)
         slot = self.pool.acquire(total)
         try:
@@ -76,31 +90,10 @@ class Stager:
             self.pool.release(slot)
             raise
         event = None
-        if self._stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        shadow = _rebuild(state_dict, "", views)
-        return Snapshot(slot, shadow, views, offsets, records, total, event)
-
-    def stage_items(self, items: Any, planner: Any) -> Snapshot:
-        """Synchronous saves: copy the tensors of a DCP plan (as the planner resolves them)."""
-        tensors: dict[str, torch.Tensor] = {}
-        for item in items:
-            if item.tensor_data is not None and item.index.fqn not in tensors:
-                tensors[item.index.fqn] = planner.resolve_data(item)
-        offsets, records, total = self._plan(tensors)
-        slot = self.pool.acquire(total)
-        try:
-            views = self._copy(slot, tensors, offsets, records)
-        except BaseException:
-            self.pool.release(slot)
-            raise
-        snap = Snapshot(slot, {}, views, offsets, records, total, None)
         if self._stream is not None and any(t.is_cuda for t in tensors.values()):
             event = torch.cuda.Event()
             event.record(self._stream)
-            snap._event = event
-        return snap
+        return Snapshot(slot, {}, views, offsets, records, total, event)
 
     def release(self, snapshot: Snapshot) -> None:
         self.pool.release(snapshot.slot)

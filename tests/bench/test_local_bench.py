@@ -25,6 +25,7 @@ FIGURES = {
     "dcp_async": {"blocking", "save"},
     "tierckpt": {"blocking", "save", "load"},
     "tierckpt_dcp": {"save", "load"},
+    "paired": {"copy", "blocking", "save", "dcp_save", "load", "dcp_load"},
 }
 TINY = ["--size-mib", "8", "--tensors", "4", "--repeats", "1", "--leak-mib", "8", "--leak-saves", "8"]
 
@@ -48,7 +49,7 @@ def _check(doc: dict, world_size: int) -> None:
             assert len(f["runs_s"]) == 1 and all(s > 0 for s in f["runs_s"]), (method, fig)
             assert f["median_s"] > 0 and f["gb_per_s"] > 0
             assert f["rss_extra_bytes"] is not None and f["rss_extra_bytes"] >= 0
-            assert len(f["warmup_s"]) == (2 if method.startswith("tierckpt") else 1)
+            assert len(f["warmup_s"]) == (2 if method.startswith("tierckpt") or method == "paired" else 1)
     assert doc["failures"] == {}
     assert doc["checks"] == {"tierckpt.snapshot": True}
     assert len(doc["leak"]["rss_anon_after_each"]) == 8

@@ -218,15 +218,10 @@ def tierckpt_save(ctx: Rank, rec: Recorder) -> None:
     with tierckpt.Checkpointer(cfg) as ck:
         for run in ctx.runs(_SLOT_WARMUPS):
             step += 1
-            ctx.barrier()
             with RssProbe() as probe:
-                t0 = time.perf_counter()
-                handle = ck.save(step, ctx.state)
-                t1 = time.perf_counter()
-                handle.result()
-                t2 = time.perf_counter()
-            rec.add(run, "blocking", t1 - t0, probe)
-            rec.add(run, "save", t2 - t0, probe)
+                blocking, total, handle = _timed_save(ctx, ck, step)
+            rec.add(run, "blocking", blocking, probe)
+            rec.add(run, "save", total, probe)
             rec.add(run, "blocking_reported", handle.blocking_s, None)
             ctx.zero_target()
             s, probe, loaded = ctx.timed(ck.load, ctx.target)
@@ -236,6 +231,16 @@ def tierckpt_save(ctx: Rank, rec: Recorder) -> None:
             rec.add(run, "load_reported", float(ck.last_load["seconds"]), None)
         rec.checks["snapshot"] = _snapshot_holds(ctx, ck, step + 1)
     ctx.remove("tierckpt")
+
+
+def _timed_save(ctx: Rank, ck: tierckpt.Checkpointer, step: int) -> tuple[float, float, Any]:
+    """Seconds the ``save`` call blocked, seconds until its ``result()``, and the handle."""
+    ctx.barrier()
+    t0 = time.perf_counter()
+    handle = ck.save(step, ctx.state)
+    t1 = time.perf_counter()
+    handle.result()
+    return t1 - t0, time.perf_counter() - t0, handle
 
 
 def _snapshot_holds(ctx: Rank, ck: tierckpt.Checkpointer, step: int) -> bool:
@@ -307,7 +312,6 @@ def paired(ctx: Rank, rec: Recorder) -> None:
     DCP ``FileSystemWriter``, ``Checkpointer.load`` and DCP ``FileSystemReader``; the goals
     take the median of the per-round ratios.
     """
-    dcp_dir = ctx.fresh_dir("paired_dcp")
     cfg = tierckpt.CheckpointConfig(
         namespace="paired", memory_dir=str(ctx.fresh_dir("paired")), memory_steps_retained=1
     )
@@ -317,14 +321,11 @@ def paired(ctx: Rank, rec: Recorder) -> None:
             s, probe, _ = ctx.timed(_copy_all, ctx.got, ctx.expected)
             rec.add(run, "copy", s, probe)
             step += 1
-            ctx.barrier()
-            t0 = time.perf_counter()
-            handle = ck.save(step, ctx.state)
-            t1 = time.perf_counter()
-            handle.result()
-            t2 = time.perf_counter()
-            rec.add(run, "blocking", t1 - t0, None)
-            rec.add(run, "save", t2 - t0, None)
+            with RssProbe() as probe:
+                blocking, total, _ = _timed_save(ctx, ck, step)
+            rec.add(run, "blocking", blocking, probe)
+            rec.add(run, "save", total, probe)
+            dcp_dir = ctx.fresh_dir("paired_dcp")  # a fresh directory each round, as dcp_fs does
             s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=FileSystemWriter(dcp_dir))
             rec.add(run, "dcp_save", s, probe)
             ctx.zero_target()

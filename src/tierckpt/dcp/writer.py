@@ -204,22 +204,18 @@ class TieredStorageWriter(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         save_id = uuid.uuid4().hex[:12]
         nodes = [p.storage_data if isinstance(p.storage_data, _NodeId) else None for p in plans]
-        leaders = {}
+        leaders: dict[_NodeId, int] = {}
         for i, node in enumerate(nodes):
             if node is not None and node != nodes[0]:
                 leaders.setdefault(node, i)
         remote = len(leaders) if self._commit_nodes else 0
-        return [
-            dataclasses.replace(
-                plan,
-                storage_data=_PlanData(
-                    layout.data_file_name(i), save_id, len(plans),
-                    commit_node=remote > 0 and leaders.get(nodes[i]) == i,  # type: ignore[arg-type]
-                    remote_nodes=remote if i == 0 else 0,
-                ),
-            )
-            for i, plan in enumerate(plans)
-        ]
+        out = []
+        for i, (plan, node) in enumerate(zip(plans, nodes, strict=True)):
+            leads = remote > 0 and node is not None and leaders.get(node) == i
+            pd = _PlanData(layout.data_file_name(i), save_id, len(plans), commit_node=leads,
+                           remote_nodes=remote if i == 0 else 0)
+            out.append(dataclasses.replace(plan, storage_data=pd))
+        return out
 
     # -- writing --------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
