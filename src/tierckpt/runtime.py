@@ -8,6 +8,7 @@ this process; ``Checkpointer`` owns and closes its own.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -85,6 +86,15 @@ class RankRuntime:
 
 _RUNTIMES: dict[tuple[CheckpointConfig, int], RankRuntime] = {}
 _RUNTIMES_LOCK = threading.Lock()
+
+
+@atexit.register
+def _close_runtimes() -> None:
+    """The DCP plug-ins share process-wide runtimes: give their free slots back at exit."""
+    with _RUNTIMES_LOCK:
+        for rt in _RUNTIMES.values():
+            rt.close()
+        _RUNTIMES.clear()
 
 
 def runtime_for(config: CheckpointConfig, rank: int) -> RankRuntime:

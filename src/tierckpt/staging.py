@@ -119,9 +119,20 @@ class SlotPool:
         self._reserved.discard(slot.path.name)
 
     def close(self) -> None:
+        """Unmap every slot and delete the free ones: their memory goes back to the node.
+
+        Slots that hold committed steps stay (they are the memory tier); a later job
+        allocates new slots on its first saves.
+        """
         for slot in self._slots.values():
             slot.unmap()
         self._slots.clear()
+        if self.dir.exists():
+            for name, slot in self._scan().items():
+                if name not in self._reserved and slot.links() == 1:
+                    slot.unmap()
+                    slot.path.unlink(missing_ok=True)
+            self._slots.clear()
 
     def held_bytes(self) -> int:
         return sum(s.size for s in self._scan().values())

@@ -268,3 +268,17 @@ def test_local_mode_one_process(cfg: CheckpointConfig, shm_root: Path, durable_d
     assert (durable_dir / "unit--rank0" / "step_3" / "COMMITTED").exists()  # durable_every_n_steps=3
     with pytest.raises(ConfigError, match="128"):
         CheckpointConfig(namespace="x" * 125, local_mode=True).rank_local(0)
+
+
+def test_close_gives_free_slots_back(cfg: CheckpointConfig, shm_root: Path) -> None:
+    with Checkpointer(cfg.replace(durable_url=None, memory_steps_retained=1)) as ck:
+        for s in range(4):
+            ck.save(s, state(s))
+        ck.wait()
+        slots = shm_root / "unit" / ".slots" / "rank_0"
+        assert len(list(slots.iterdir())) == 2
+    assert [p.stat().st_nlink for p in slots.iterdir()] == [2]  # only the retained step's slot stays
+    out = blank()
+    with Checkpointer(cfg.replace(durable_url=None)) as ck:
+        assert ck.load(out) == 3
+    assert_same(out, state(3))
