@@ -97,6 +97,7 @@ def test_exhausted_upload_retries_give_a_typed_error_and_leave_nothing_behind(
         tier.put_file(1, "s1", "__0_0.distcp", src)
     assert time.monotonic() - t0 < 15
     assert info.value.tier == "durable"
+    assert outcomes(proxy, "partNumber=2") == ["503"] * 3  # exactly max_attempts: botocore adds none
     assert any(method == "DELETE" and "uploadId=" in path for method, path, _ in proxy.log)  # aborted
     assert s3_client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     assert tier.list_steps(include_uncommitted=True) == []

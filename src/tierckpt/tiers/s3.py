@@ -33,7 +33,7 @@ from tierckpt.errors import CheckpointNotFoundError, ConfigError, DurableWriteEr
 from tierckpt.observability import get_logger
 from tierckpt.tiers.base import Source, StepListing
 from tierckpt.tiers.s3_retry import Retrier, error_code
-from tierckpt.tiers.s3_transfer import download_into, upload
+from tierckpt.tiers.s3_transfer import download_into, send_views_whole, upload
 
 __all__ = ["S3Tier", "make_client"]
 
@@ -289,7 +289,7 @@ def make_client(settings: S3Settings) -> Any:
         options: dict[str, Any] = {
             "connect_timeout": settings.connect_timeout_s,
             "read_timeout": settings.read_timeout_s,
-            "retries": {"max_attempts": 1, "mode": "standard"},  # tierckpt retries, with its own bounds
+            "retries": {"total_max_attempts": 1, "mode": "standard"},  # tierckpt retries, with its own bounds
             "max_pool_connections": settings.max_concurrency + 4,
             # integrity comes from tierckpt's per-item xxh3 checksums, verified on every read, so
             # neither a CRC per request nor a SHA-256 of each body is computed here
@@ -311,4 +311,5 @@ def make_client(settings: S3Settings) -> Any:
     host = urlparse(str(client.meta.endpoint_url)).hostname or ""
     if not host.endswith(_AWS_SUFFIXES):  # MinIO, SeaweedFS, ...: bucket names do not resolve as hosts
         client = build("path")
+    client.meta.events.register("before-send.s3", send_views_whole)
     return client

@@ -19,7 +19,7 @@ from tierckpt.errors import StorageError
 from tierckpt.observability import get_logger
 from tierckpt.tiers.s3_retry import Retrier, ShortReadError, error_code
 
-__all__ = ["download_into", "upload"]
+__all__ = ["download_into", "send_views_whole", "upload"]
 
 _READ_CHUNK = 1 << 20  # bytes per readinto(): big enough to amortise, small enough to stay in cache
 _log = get_logger("s3")
@@ -63,6 +63,21 @@ class _ViewReader(io.RawIOBase):
 
     def __len__(self) -> int:
         return len(self._view)
+
+    def remaining(self) -> memoryview:
+        return self._view[self._pos :]
+
+
+def send_views_whole(request: Any, **_: Any) -> None:
+    """botocore ``before-send`` hook: hand urllib3 the view itself, not the file over it.
+
+    A file body is sent 16 KiB per read() call, each read copying; a memoryview goes to the
+    socket in one ``sendall`` with no copy. Validation has already accepted the file, and no
+    retry inside botocore rewinds the body (tierckpt retries, with a fresh file per try).
+    """
+    body = getattr(request, "body", None)
+    if isinstance(body, _ViewReader):
+        request.body = body.remaining()
 
 
 def upload(
