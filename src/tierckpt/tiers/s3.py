@@ -39,6 +39,7 @@ __all__ = ["S3Tier", "make_client"]
 
 _log = get_logger("s3")
 _AWS_SUFFIXES = (".amazonaws.com", ".amazonaws.com.cn")
+_MAP_AT_LEAST = 1 << 20
 #: answers of servers that do not understand If-None-Match on PUT
 _NO_CONDITIONAL = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest", "501"})
 
@@ -124,7 +125,9 @@ class S3Tier:
         """Parallel ranged GETs (``part_size`` each, ``max_concurrency`` at once) into one buffer."""
         if offset < 0 or length < 0:
             raise ValueError(f"bad range {offset}+{length}")
-        buf = bytearray(length)
+        # fresh anonymous pages: their first-touch cost is paid by the download threads while
+        # they wait on the network, not up front as zero-filling a bytearray would
+        buf = mmap.mmap(-1, length) if length >= _MAP_AT_LEAST else bytearray(length)
         download_into(
             self.client, self.retrier, self.pool, self.key(step, name), offset, memoryview(buf),
             part_size=self.settings.part_size,
