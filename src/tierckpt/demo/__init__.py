@@ -84,4 +84,6 @@ def run_demo(*, steps: int = 24, workdir: str = "demo-output", memory_dir: str =
             f"trained to step {r['final_step']}"
         )
     print("\nresumed after SIGKILL: " + ("OK" if ok else "FAILED"))
+    shutil.rmtree(Path(memory_dir) / NAMESPACE, ignore_errors=True)  # give the shared memory back
+    print(f"(removed the demo's memory tier; its durable copies stay in {work / 'durable'})")
     return 0 if ok else 1
