@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.helpers.state import zeros_like_state
 from tierckpt import CheckpointConfig, Checkpointer, TieredStorageReader, TieredStorageWriter, layout
 from tierckpt.config import S3Settings
 from tierckpt.runtime import RankRuntime
@@ -31,14 +32,6 @@ def make_state(step: int) -> dict[str, Any]:
         "ids": torch.randint(0, 1 << 40, (1000,), generator=g),
         "step": step,
     }
-
-
-def zeros_like(sd: Any) -> Any:
-    if isinstance(sd, dict):
-        return {k: zeros_like(v) for k, v in sd.items()}
-    if isinstance(sd, torch.Tensor):
-        return torch.zeros_like(sd)
-    return -1 if isinstance(sd, int) else sd
 
 
 def assert_equal(got: Any, want: Any) -> None:
@@ -84,7 +77,7 @@ def test_dcp_plugins_save_to_memory_and_s3_then_load_from_s3_alone(config: Check
         rt.close()
     other = config.replace(memory_dir=fresh_memory())  # memory wiped: only S3 holds step 3
     reader = TieredStorageReader(other)
-    target = zeros_like(state)
+    target = zeros_like_state(state)
     dcp.load(target, storage_reader=reader)
     assert reader.step == 3 and set(reader.tiers_used.values()) == {"durable"}
     assert_equal(target, state)
@@ -98,11 +91,11 @@ def test_checkpointer_drains_to_s3_and_a_new_node_loads_from_it(config: Checkpoi
         assert [(s.step, sorted(s.tiers)) for s in ck.steps()] == [(10, ["durable", "memory"]), (20, ["durable", "memory"])]
     shutil.rmtree(config.memory_dir)  # the node is gone
     with Checkpointer(config.replace(memory_dir=fresh_memory())) as ck:
-        target = zeros_like(make_state(0))
+        target = zeros_like_state(make_state(0))
         assert ck.load(target) == 20
         assert ck.last_load["tiers"] == ["durable"]
         assert_equal(target, make_state(20))
-        older = zeros_like(make_state(0))
+        older = zeros_like_state(make_state(0))
         assert ck.load(older, step=10) == 10
         assert_equal(older, make_state(10))
 
@@ -114,7 +107,7 @@ def test_s3torchconnector_reads_a_tierckpt_step_bitwise(config: CheckpointConfig
     state = make_state(5)
     with Checkpointer(config) as ck:
         ck.save(5, state, durable=True).result(60)
-    target = zeros_like(state)
+    target = zeros_like_state(state)
     reader = S3StorageReader("us-east-1", f"s3://{bucket}/ckpt/run1/step_5",
                              s3client_config=s3tc.S3ClientConfig(force_path_style=True))
     dcp.load(target, storage_reader=reader)  # plain DCP: no tierckpt code on this path
@@ -146,7 +139,7 @@ def test_an_uncommitted_s3_step_is_never_loaded(config: CheckpointConfig, fresh_
         ck.save(2, make_state(2), durable=True).result(60)
     s3_client.delete_object(Bucket=bucket, Key=f"ckpt/run1/step_2/{layout.MARKER}")  # torn: as if the commit died
     with Checkpointer(config.replace(memory_dir=fresh_memory())) as ck:
-        target = zeros_like(make_state(0))
+        target = zeros_like_state(make_state(0))
         assert ck.load(target) == 1
         assert_equal(target, make_state(1))
 
