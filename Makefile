@@ -10,6 +10,8 @@ demo: $(STAMP)
 	$(BIN)/tierckpt demo
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
