@@ -34,6 +34,7 @@ class RankRuntime:
         self._durable_lock = threading.Lock()
         self.log = StepLogger("runtime", rank, config.logger)
         self.in_flight: set[str] = set()  # save ids this rank is writing now
+        self.published_key: str | None = None  # c10d store key of the last step published to other nodes
         self.pool = SlotPool(
             self.memory.ns_dir, rank,
             budget_bytes=config.memory_budget_bytes,

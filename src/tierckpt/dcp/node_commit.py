@@ -51,13 +51,13 @@ def publish(rt: RankRuntime, step: int, save_id: str, md: bytes, mf: bytes, log:
         return
     store.set(_key(rt, save_id), len(md).to_bytes(8, "little") + md + mf)
     # the previous publication has been read by now (its waiters committed before this save began)
-    previous = getattr(rt, "_published", None)
+    previous = rt.published_key
     if previous is not None:
         try:
             store.delete_key(previous)
         except (RuntimeError, AttributeError):
             pass
-    rt._published = _key(rt, save_id)  # type: ignore[attr-defined]
+    rt.published_key = _key(rt, save_id)
 
 
 def await_publication(rt: RankRuntime, step: int, save_id: str, log: StepLogger) -> None:
