@@ -35,7 +35,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from torch.distributed.checkpoint.stateful import Stateful
 
 from tierckpt import layout, localmode
 from tierckpt.config import CheckpointConfig
@@ -52,7 +51,7 @@ from tierckpt.errors import (
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
 from tierckpt.runtime import RankRuntime
-from tierckpt.snapshot import Snapshot
+from tierckpt.snapshot import Snapshot, resolve_stateful
 
 __all__ = ["Checkpointer", "SaveHandle", "StepInfo"]
 
@@ -184,7 +183,7 @@ class Checkpointer:
         if self.local:
             snap = self.runtime.stager.stage(localmode.localize(state_dict))
         else:
-            snap = self.runtime.stager.stage({k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()})
+            snap = self.runtime.stager.stage(resolve_stateful(state_dict))
         snap.wait_copied()
         blocking = time.perf_counter() - t0
         self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",

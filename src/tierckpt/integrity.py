@@ -9,7 +9,7 @@ from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
 from tierckpt.tiers import Tier
 
-__all__ = ["CopyReport", "fetch_file", "sealed_manifest", "verify_copy", "verify_items"]
+__all__ = ["CopyReport", "fetch_file", "sealed_manifest", "verified_metadata", "verify_copy", "verify_items"]
 
 
 def sealed_manifest(tier: Tier, step: int, namespace: str) -> layout.Manifest:
@@ -21,6 +21,14 @@ def sealed_manifest(tier: Tier, step: int, namespace: str) -> layout.Manifest:
     if manifest.namespace != namespace or manifest.step != step:
         raise IntegrityError(f"{where}: manifest belongs to {manifest.namespace}/step_{manifest.step}", step=step)
     return manifest
+
+
+def verified_metadata(tier: Tier, manifest: layout.Manifest) -> bytes:
+    """The step's ``.metadata`` bytes once they match the manifest's checksum; else IntegrityError."""
+    md_raw = tier.read_file(manifest.step, layout.METADATA)
+    if layout.checksum(md_raw) != manifest.metadata_xxh3:
+        raise IntegrityError(f"{tier.location(manifest.step)}/.metadata fails its checksum", step=manifest.step)
+    return md_raw
 
 
 def fetch_file(tier: Tier, step: int, name: str, size: int) -> memoryview:
@@ -61,9 +69,7 @@ def verify_copy(tier: Tier, step: int, namespace: str, *, require_all_files: boo
     report = CopyReport(tier.name, tier.location(step), ok=False)
     try:
         manifest = sealed_manifest(tier, step, namespace)
-        md_raw = tier.read_file(step, layout.METADATA)
-        if layout.checksum(md_raw) != manifest.metadata_xxh3:
-            raise IntegrityError(f"{tier.location(step)}/.metadata fails its checksum")
+        verified_metadata(tier, manifest)
         for name, size in sorted(manifest.files.items()):
             try:
                 view = fetch_file(tier, step, name, size)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierckpt.dcp.agree import gather
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
 from tierckpt.runtime import RankRuntime
 
@@ -59,14 +60,6 @@ def write_back(original: Any, loaded: Any) -> None:
                 original[i] = loaded[i]
 
 
-def _gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    if group is None:
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, value, group=group)
-    return out
-
-
 def agree(rt: RankRuntime, requested: int | None, exclude: set[int], group: dist.ProcessGroup | None) -> int | None:
     """The newest step (or ``requested``) that every rank holds in some tier; None if none."""
     mine: set[int] = {s.step for s in rt.memory.list_steps()}
@@ -75,7 +68,7 @@ def agree(rt: RankRuntime, requested: int | None, exclude: set[int], group: dist
             mine |= {s.step for s in rt.durable.list_steps()}
         except StorageError as exc:
             rt.log.warning(None, "durable tier unavailable, using memory only: %s", exc)
-    everyone = _gather(sorted(mine - exclude), group)
+    everyone = gather(sorted(mine - exclude), group)
     common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
     anywhere = set().union(*everyone) if everyone else set()
     if requested is not None:
@@ -89,4 +82,4 @@ def agree(rt: RankRuntime, requested: int | None, exclude: set[int], group: dist
 
 def confirm(ok: bool, group: dist.ProcessGroup | None) -> bool:
     """True when every rank loaded its shards; otherwise every rank retries."""
-    return all(_gather(ok, group))
+    return all(gather(ok, group))

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
 from tierckpt.record import ALIGN, TensorRecord, tensor_record
 from tierckpt.staging import Slot, SlotPool
 
-__all__ = ["Snapshot", "Stager"]
+__all__ = ["Snapshot", "Stager", "resolve_stateful"]
 
 _record = lru_cache(maxsize=8192)(tensor_record)
 
@@ -154,6 +155,11 @@ class Stager:
             for ptr in self._pinned.values():
                 torch.cuda.cudart().cudaHostUnregister(ptr)
         self._pinned.clear()
+
+
+def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Top-level ``Stateful`` values replaced by their ``state_dict()``, as ``dcp.save`` does."""
+    return {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()}
 
 
 def _rebuild(obj: Any, prefix: str, views: dict[str, torch.Tensor]) -> Any:

@@ -173,14 +173,18 @@ def torch_save(ctx: Rank, rec: Recorder) -> None:
 def dcp_fs(ctx: Rank, rec: Recorder) -> None:
     """DCP ``FileSystemWriter`` / ``FileSystemReader`` on /dev/shm, default options."""
     for run in ctx.runs():
-        path = ctx.fresh_dir("dcp_fs")
-        s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=FileSystemWriter(path))
-        rec.add(run, "save", s, probe)
-        ctx.zero_target()
-        s, probe, _ = ctx.timed(dcp_load, ctx.target, storage_reader=FileSystemReader(path))
-        ctx.verify("DCP FileSystemReader")
-        rec.add(run, "load", s, probe)
+        _dcp_round(ctx, rec, run, ctx.fresh_dir("dcp_fs"), "save", "load")
     ctx.remove("dcp_fs")
+
+
+def _dcp_round(ctx: Rank, rec: Recorder, run: int, path: Path, save_fig: str, load_fig: str) -> None:
+    """DCP ``FileSystemWriter`` save into ``path``, then a checked ``FileSystemReader`` load."""
+    s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=FileSystemWriter(path))
+    rec.add(run, save_fig, s, probe)
+    ctx.zero_target()
+    s, probe, _ = ctx.timed(dcp_load, ctx.target, storage_reader=FileSystemReader(path))
+    ctx.verify("DCP FileSystemReader")
+    rec.add(run, load_fig, s, probe)
 
 
 def dcp_async(ctx: Rank, rec: Recorder) -> None:
@@ -309,7 +313,7 @@ def paired(ctx: Rank, rec: Recorder) -> None:
     apart (the methods above run one after the other) can differ by 2x for reasons that have
     nothing to do with the code. Each round here times, in a row: torch ``copy_`` of the
     state into preallocated memory, ``Checkpointer.save`` (the call, then until ``result()``),
-    DCP ``FileSystemWriter``, ``Checkpointer.load`` and DCP ``FileSystemReader``; the goals
+    ``Checkpointer.load``, DCP ``FileSystemWriter`` and DCP ``FileSystemReader``; the goals
     take the median of the per-round ratios.
     """
     cfg = tierckpt.CheckpointConfig(
@@ -325,17 +329,12 @@ def paired(ctx: Rank, rec: Recorder) -> None:
                 blocking, total, _ = _timed_save(ctx, ck, step)
             rec.add(run, "blocking", blocking, probe)
             rec.add(run, "save", total, probe)
-            dcp_dir = ctx.fresh_dir("paired_dcp")  # a fresh directory each round, as dcp_fs does
-            s, probe, _ = ctx.timed(dcp_save, ctx.state, storage_writer=FileSystemWriter(dcp_dir))
-            rec.add(run, "dcp_save", s, probe)
             ctx.zero_target()
             s, probe, loaded = ctx.timed(ck.load, ctx.target)
             ctx.verify("paired Checkpointer.load", problem=None if loaded == step else f"loaded step {loaded}")
             rec.add(run, "load", s, probe)
-            ctx.zero_target()
-            s, probe, _ = ctx.timed(dcp_load, ctx.target, storage_reader=FileSystemReader(dcp_dir))
-            ctx.verify("paired DCP FileSystemReader")
-            rec.add(run, "dcp_load", s, probe)
+            # a fresh directory each round, as dcp_fs does
+            _dcp_round(ctx, rec, run, ctx.fresh_dir("paired_dcp"), "dcp_save", "dcp_load")
     ctx.remove("paired")
     ctx.remove("paired_dcp")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -44,15 +45,16 @@ class Choice:
     skipped: tuple[tuple[int, str], ...]  # newer steps passed over, with the reason
 
 
-def gather(local: Availability, group: dist.ProcessGroup | None) -> list[Availability]:
+def gather(value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``value`` in rank order (one ``all_gather_object``); ``[value]`` alone."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [local]
+        return [value]
     world = dist.get_world_size(group)
     if world == 1:
-        return [local]
-    out: list[Availability | None] = [None] * world
-    dist.all_gather_object(out, local, group=group)
-    return [a for a in out if a is not None]
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
 def choose_step(

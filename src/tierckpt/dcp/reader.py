@@ -30,14 +30,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
-from tierckpt.dcp.agree import Availability, choose_step
+from tierckpt.dcp.agree import Availability, choose_step, gather
 from tierckpt.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -46,10 +45,11 @@ from tierckpt.errors import (
     StorageError,
     TierckptError,
 )
-from tierckpt.integrity import fetch_file, sealed_manifest, verify_items
+from tierckpt.integrity import fetch_file, sealed_manifest, verified_metadata, verify_items
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.record import loads_metadata
 from tierckpt.runtime import RankRuntime, runtime_for
+from tierckpt.snapshot import resolve_stateful
 from tierckpt.tiers import Tier
 
 __all__ = ["TieredStorageReader"]
@@ -96,7 +96,8 @@ class TieredStorageReader(StorageReader):
         self.skipped: tuple[tuple[int, str], ...] = ()
         self.tiers_used: dict[str, str] = {}  # file → tier name it was read from
         self._in_memory: frozenset[str] = frozenset()
-        self._durable_ok = False
+        self._manifests: dict[tuple[str, int], layout.Manifest] = {}  # sealed, per (tier, step)
+        self._metadata_raw: dict[tuple[str, int], bytes] = {}  # verified .metadata, per (tier, step)
         self._manifest: layout.Manifest | None = None
         self._records: dict[tuple[str, int], layout.ItemRecord] = {}
         self._verified: set[tuple[str, int, str, str]] = set()  # (tier, step, file, save id) checked whole
@@ -186,11 +187,7 @@ class TieredStorageReader(StorageReader):
         return Availability(self.rank, memory, files, durable, bad, durable_error)
 
     def _gather(self, value: Any) -> list[Any]:
-        if self.single_process or not (dist.is_available() and dist.is_initialized()):
-            return [value]
-        out: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+        return [value] if self.single_process else gather(value, self.group)
 
     def _preverify(self, rt: RankRuntime, step: int) -> str | None:
         """Check this rank's share of the step's files before anyone reads: None if all good.
@@ -249,10 +246,12 @@ class TieredStorageReader(StorageReader):
             self._views[key] = fetch_file(tier, step, name, size)
         return self._views[key]
 
-    def _check_metadata(self, tier: Tier, manifest: layout.Manifest) -> None:
-        md_raw = tier.read_file(manifest.step, layout.METADATA)
-        if layout.checksum(md_raw) != manifest.metadata_xxh3:
-            raise IntegrityError(f"{tier.location(manifest.step)}/.metadata fails its checksum", step=manifest.step)
+    def _check_metadata(self, tier: Tier, manifest: layout.Manifest) -> bytes:
+        """The verified ``.metadata`` bytes, read once per (tier, step) during this load."""
+        key = (tier.name, manifest.step)
+        if key not in self._metadata_raw:
+            self._metadata_raw[key] = verified_metadata(tier, manifest)
+        return self._metadata_raw[key]
 
     def _world_size(self) -> int:
         if self.single_process or not (dist.is_available() and dist.is_initialized()):
@@ -260,7 +259,11 @@ class TieredStorageReader(StorageReader):
         return dist.get_world_size(self.group)
 
     def _sealed_manifest(self, tier: Tier, step: int) -> layout.Manifest:
-        return sealed_manifest(tier, step, self.config.namespace)
+        """The step's sealed manifest, read once per (tier, step) during this load."""
+        key = (tier.name, step)
+        if key not in self._manifests:
+            self._manifests[key] = sealed_manifest(tier, step, self.config.namespace)
+        return self._manifests[key]
 
     def _verify_file(self, tier: Tier, manifest: layout.Manifest, name: str, present: frozenset[str]) -> None:
         records = [r for r in manifest.items if r.file == name]
@@ -274,13 +277,10 @@ class TieredStorageReader(StorageReader):
         for tier in self._file_sources(rt, None):
             try:
                 manifest = self._sealed_manifest(tier, step)
-                md_raw = tier.read_file(step, layout.METADATA)
-                if layout.checksum(md_raw) != manifest.metadata_xxh3:
-                    raise IntegrityError(f"{tier.location(step)}/.metadata fails its checksum")
+                md_raw = self._check_metadata(tier, manifest)
                 metadata = loads_metadata(md_raw, where=f"{tier.location(step)}/.metadata")
                 self._manifest = manifest
                 self._records = manifest.item_index()
-                self._durable_ok = tier.name == "durable" or self._durable_ok
                 return metadata
             except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
                 self._log.warning(step, "metadata from the %s tier rejected: %s", tier.name, exc)
@@ -417,7 +417,7 @@ def _numel(sizes: tuple[int, ...]) -> int:
 
 def _check_state_dict(state_dict: dict[str, Any], metadata: Metadata, step: int) -> None:
     """Raise StateDictMismatchError when keys, shapes or kinds differ from the checkpoint."""
-    flat, _ = flatten_state_dict({k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state_dict.items()})
+    flat, _ = flatten_state_dict(resolve_stateful(state_dict))
     saved = metadata.state_dict_metadata
     missing = sorted(k for k in flat if k not in saved)
     problems = []

@@ -122,7 +122,6 @@ class TieredStorageWriter(StorageWriter):
         self.save_id: str | None = None
         self.committed: tuple[bytes, bytes] | None = None  # (.metadata, manifest) after finish
         self._plan_data: _PlanData | None = None
-        self._stage_seconds = 0.0
         self._snapshot: Snapshot | None = None
         self.files_written: list[str] = []
         self._synchronize_after_execute = False  # stage() returns only once the copy landed
@@ -182,12 +181,9 @@ class TieredStorageWriter(StorageWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into a shared-memory slot; return the state dict DCP will save."""
-        t0 = time.perf_counter()
-        rt = self.runtime
-        snap = rt.stager.stage(state_dict)
+        snap = self.runtime.stager.stage(state_dict)
         snap.wait_copied()
         self._snapshot = snap
-        self._stage_seconds = time.perf_counter() - t0
         return snap.state_dict
 
     def synchronize_staging(self) -> None:
@@ -248,8 +244,7 @@ class TieredStorageWriter(StorageWriter):
         snap, self._snapshot = self._snapshot, None
         if snap is None:  # synchronous save: copy into a fresh slot now
             snap = rt.stager.stage_items(plan.items, planner)
-            self._stage_seconds = time.perf_counter() - t0
-            log.info(step, "In-memory staging completed in %s", throughput(snap.nbytes, self._stage_seconds))
+            log.info(step, "In-memory staging completed in %s", throughput(snap.nbytes, time.perf_counter() - t0))
         else:
             snap.wait_copied()
         extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
