@@ -99,3 +99,16 @@ def test_missing_step_and_empty_namespace(cfg: CheckpointConfig) -> None:
     with pytest.raises(CheckpointException, match="step 9"):
         dcp.load(empty(), storage_reader=reader)
     assert isinstance(reader.failure, tierckpt.CheckpointNotFoundError)
+
+
+def test_call_order_violations_are_protocol_errors(cfg: CheckpointConfig) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    from tierckpt.errors import ProtocolError
+
+    writer = TieredStorageWriter(cfg, step=1)
+    with pytest.raises(ProtocolError, match="before prepare_global_plan"):
+        writer.write_data(SavePlan(items=[]), None).wait()  # type: ignore[arg-type]
+    with pytest.raises(ProtocolError, match="before write_data"):
+        writer.finish(Metadata(state_dict_metadata={}), [])

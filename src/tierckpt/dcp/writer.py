@@ -37,7 +37,7 @@ from torch.futures import Future
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import node_commit
-from tierckpt.errors import ConfigError, DurableWriteError, StorageError, TierckptError
+from tierckpt.errors import ConfigError, DurableWriteError, ProtocolError, StorageError, TierckptError
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
 from tierckpt.record import ALIGN, dumps_metadata, tensor_record
@@ -225,7 +225,7 @@ class TieredStorageWriter(StorageWriter):
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         pd = plan.storage_data
         if not isinstance(pd, _PlanData):
-            raise TierckptError("write_data called before prepare_global_plan assigned a file")
+            raise ProtocolError("write_data called before prepare_global_plan assigned a file")
         if self._save_seq is not None:
             pd = dataclasses.replace(pd, save_id=f"{pd.save_id}-{self._save_seq:x}")
         self._plan_data, self.save_id = pd, pd.save_id
@@ -291,7 +291,7 @@ class TieredStorageWriter(StorageWriter):
         }
         save_id = self.save_id or (self._plan_data.save_id if self._plan_data else None)
         if save_id is None:
-            raise TierckptError("finish called before write_data")
+            raise ProtocolError("finish called before write_data")
         metadata.storage_data = {idx: info.storage for idx, info in infos.items()}
         md_raw = dumps_metadata(metadata)
         files = {info.storage.relative_path: info.file_size for info in infos.values()}
