@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt import layout, localmode
+from tierckpt import layout, localmode, monitor
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
@@ -186,6 +186,7 @@ class Checkpointer:
             snap = self.runtime.stager.stage(resolve_stateful(state_dict))
         snap.wait_copied()
         blocking = time.perf_counter() - t0
+        monitor.beat()  # a long save is progress, not a hang (tierckpt run)
         self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",
                       snap.nbytes, throughput(snap.nbytes, blocking))
         handle = SaveHandle(step, go_durable, blocking)

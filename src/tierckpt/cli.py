@@ -38,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["run"]:  # torchrun's own parser takes the rest
+        from tierckpt.launcher.cli import main as run_main
+
+        return run_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         if args.command == "demo":

@@ -62,7 +62,7 @@ class _Metric:
             items = sorted(self._values.items())
         for key, v in items:
             if key:
-                pairs = ",".join(f'{k}="{_escape(x)}"' for k, x in zip(self.labels, key))
+                pairs = ",".join(f'{k}="{_escape(x)}"' for k, x in zip(self.labels, key, strict=True))
                 lines.append(f"{self.name}{{{pairs}}} {_fmt(v)}")
             else:
                 lines.append(f"{self.name} {_fmt(v)}")

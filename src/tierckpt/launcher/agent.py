@@ -1,0 +1,430 @@
+"""The per-node agent of ``tierckpt run``: torch elastic's LocalElasticAgent with fault detection,
+a job-wide generation and process-level restarts that keep the agents and the memory tier.
+
+Call order (one agent per node, all the same code):
+  1. ``run()`` → ``_invoke_run``: torch's rendezvous (c10d), then ``JobControl.join`` agrees
+     on the generation; group rank 0 publishes a fresh master port for the generation and
+     every agent starts its workers with TIERCKPT_GENERATION (= TORCHELASTIC_RESTART_COUNT).
+  2. Every ``monitor_interval``: torch's process check (crash), heartbeats (hang, start-up
+     deadline, non-finite loss), log rules, lost agents (liveness thread), and the store's
+     fault claim for this generation (a fault on any node).
+  3. A fault: claim it (the first claim of a generation wins), stop the local workers, ack on
+     the stop barrier, decide (the same pure ``EscalationPolicy`` on the same history on every
+     node), then restart in place (same membership, no rendezvous round), or re-rendezvous
+     (a node was lost), or exit ``FULL_RESTART_EXIT`` / fail, persisting the newest memory step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.escalation import Action, Decision, Fault
+from tierckpt.launcher.events import Events
+from tierckpt.launcher.heartbeat import BeatTracker
+from tierckpt.launcher.logwatch import LineReader
+from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
+from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.monitor import read_beat
+
+__all__ = ["TierckptAgent"]
+
+_STATE_DIR = ".tierckpt-run"
+
+
+class TierckptAgent(LocalElasticAgent):
+    """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
+
+    def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, opts: RunOptions, *,
+                 start_method: str = "spawn", log_line_prefix_template: str | None = None,
+                 shutdown_timeout: int = 30) -> None:
+        super().__init__(spec, logs_specs, start_method=start_method,
+                         log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
+        self.opts = opts
+        self.generation = 0
+        self.full_restarts = 0
+        self.exit_code = 0
+        self.resumed_step: int | None = None
+        self._gen_started = time.time()
+        self._ctl: JobControl | None = None
+        self._liveness: Liveness | None = None
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self._beat_dir = tempfile.mkdtemp(prefix="tierckpt-run-", dir=shm)
+        self._trackers: dict[int, BeatTracker] = {}
+        self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
+        self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
+        self._calibrated_reported = False
+
+    # ---- state kept beside the memory tier (survives a full job restart) ----
+    def _state_path(self) -> Path | None:
+        if not self.opts.memory_dir:
+            return None
+        run_id = self._worker_group.spec.rdzv_handler.get_run_id()
+        return Path(self.opts.memory_dir) / _STATE_DIR / f"{run_id}.json"
+
+    def _load_state(self) -> dict[str, int]:
+        p = self._state_path()
+        try:
+            return dict(json.loads(p.read_text())) if p is not None else {}
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def _save_state(self, next_generation: int, full_restarts: int) -> None:
+        body = json.dumps({"next_generation": next_generation, "full_restarts": full_restarts})
+        p = self._state_path()
+        if p is not None:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text(body)
+            os.replace(tmp, p)
+        durable = self._durable_state_path()
+        if durable is not None:
+            durable.parent.mkdir(parents=True, exist_ok=True)
+            durable.write_text(body)
+
+    def _durable_state_path(self) -> Path | None:
+        url, ns = self.opts.durable_url, self.opts.namespace
+        if not url or not ns or not url.startswith("file://"):
+            return None  # S3: the memory-side copy only (documented)
+        run_id = self._worker_group.spec.rdzv_handler.get_run_id()
+        return Path(url[len("file://"):]) / ns / _STATE_DIR / f"{run_id}.json"
+
+    @property
+    def node(self) -> int:
+        """This agent's group rank (its node's place in the job), after a rendezvous."""
+        return int(self._worker_group.group_rank or 0)
+
+    @property
+    def nnodes(self) -> int:
+        return int(self._worker_group.group_world_size or 1)
+
+    # ---- rendezvous + generation ----
+    def _join(self) -> None:
+        wg = self._worker_group
+        super()._rendezvous(wg)
+        store = wg.store
+        job_store: Any = getattr(store, "underlying_store", store)
+        self._ctl = JobControl(job_store)
+        st = self._load_state()
+        self.generation, self.full_restarts = self._ctl.join(
+            store, self.nnodes, local_next=int(st.get("next_generation", 0)),
+            local_full=int(st.get("full_restarts", 0)))
+        self.events.node = self.node
+        if self._liveness is None:
+            host, port = job_store.host, job_store.port
+            self._liveness = Liveness(lambda: connect_client(host, port), self.node,
+                                      interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
+            self._liveness.start()
+        self._liveness.reset(self.node, list(range(self.nnodes)))
+
+    def _master_for(self, generation: int) -> tuple[str, int]:
+        wg = self._worker_group
+        assert self._ctl is not None
+        if self.node == 0:
+            addr = wg.spec.local_addr or _local_address(str(wg.master_addr))
+            with socket.socket() as s:
+                s.bind(("", 0))
+                port = int(s.getsockname()[1])
+            self._ctl.publish_master(generation, addr, port)
+            return addr, port
+        return self._ctl.master(generation, timeout=max(60.0, self.opts.node_timeout_s))
+
+    # ---- workers ----
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        spec = worker_group.spec
+        g = self.generation
+        addr, port = self._master_for(g)
+        worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]
+        shutil.rmtree(self._beat_dir, ignore_errors=True)
+        os.makedirs(self._beat_dir)
+        extra = {"TIERCKPT_GENERATION": str(g), "TIERCKPT_MONITOR_DIR": self._beat_dir,
+                 "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
+        for key, value in (("TIERCKPT_NAMESPACE", self.opts.namespace), ("TIERCKPT_MEMORY_DIR", self.opts.memory_dir),
+                           ("TIERCKPT_DURABLE_URL", self.opts.durable_url)):
+            if value:
+                extra[key] = value
+        envs: dict[int, dict[str, str]] = {}
+        args: dict[int, tuple[Any, ...]] = {}
+        for w in worker_group.workers:
+            env = {
+                "RANK": str(w.global_rank), "GROUP_RANK": str(worker_group.group_rank),
+                "ROLE_RANK": str(w.role_rank), "ROLE_NAME": spec.role,
+                "LOCAL_WORLD_SIZE": str(spec.local_world_size), "WORLD_SIZE": str(w.world_size),
+                "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "ROLE_WORLD_SIZE": str(w.role_world_size),
+                "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+                # the generation is the restart count: job-wide, never per agent (pytorch#135712)
+                "TORCHELASTIC_RESTART_COUNT": str(g), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+                "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
+                # a fresh store per generation (rank 0 hosts it on the published port)
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+                **extra,
+            }
+            self._set_local_rank_env(env, w.local_rank, spec)  # type: ignore[arg-type]
+            if "OMP_NUM_THREADS" in os.environ:
+                env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+            envs[w.local_rank] = env
+            args[w.local_rank] = tuple(spec.args)
+        prefixes = None
+        if self._log_line_prefix_template:
+            from string import Template
+
+            prefixes = {w.local_rank: Template(self._log_line_prefix_template).safe_substitute(
+                role_name=spec.role, rank=w.global_rank, local_rank=w.local_rank) for w in worker_group.workers}
+        assert spec.entrypoint is not None and self._logs_specs is not None
+        self._pcontext = start_processes(
+            name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs, logs_specs=self._logs_specs,
+            log_line_prefixes=prefixes, start_method=self._start_method,
+            duplicate_stdout_filters=spec.duplicate_stdout_filters,
+            duplicate_stderr_filters=spec.duplicate_stderr_filters,
+        )
+        self._arm_detectors(worker_group)
+        return self._pcontext.pids()
+
+    def _arm_detectors(self, wg: WorkerGroup) -> None:
+        now = time.monotonic()
+        self._gen_started = time.time()
+        self._trackers = {w.local_rank: BeatTracker(self.opts.heartbeat, now) for w in wg.workers}
+        for reader, _ in self._rules.values():
+            reader.close()
+        self._rules = {}
+        rules = self.opts.run_policy.log_rules
+        if rules and self._pcontext is not None:
+            for stream in (self._pcontext.stdouts, self._pcontext.stderrs):
+                for local_rank, path in stream.items():
+                    if path:
+                        self._rules[(local_rank, path)] = (LineReader(path), RuleMonitor(rules, now))
+        self._calibrated_reported = False
+
+    def _stop_now(self) -> None:
+        if self._pcontext is not None:
+            sig = signal.SIGTERM if self.opts.stop_grace_s > 0 else signal.SIGKILL
+            self._pcontext.close(sig, timeout=max(1, int(self.opts.stop_grace_s)))
+
+    # ---- detection ----
+    def _detect(self, result: RunResult) -> dict[str, Any] | None:
+        wg = self._worker_group
+        now = time.monotonic()
+        by_local = {w.local_rank: w.global_rank for w in wg.workers}
+        if result.state == WorkerState.FAILED:
+            rank, failure = sorted(result.failures.items())[0] if result.failures else (None, None)
+            code = getattr(failure, "exitcode", None)
+            detail = f"exit code {code}" if code is None or code >= 0 else f"killed by {signal.Signals(-code).name}"
+            return self._record("Crash", rank, detail, since=None)
+        for local_rank, tr in self._trackers.items():
+            tr.observe(read_beat(os.path.join(self._beat_dir, f"beat_{local_rank}")), now)
+            problem = tr.check(now)
+            if problem is not None:
+                return self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
+        self._report_calibration()
+        for (local_rank, _), (reader, mon) in self._rules.items():
+            for line in reader.lines():
+                mon.feed(line, now)
+            verdict = mon.check(now)
+            if verdict is not None:
+                return self._record(verdict.reason, by_local.get(local_rank), verdict.detail, since=now)
+        if self._liveness is not None:
+            if self._liveness.store_error is not None:
+                return self._record("LostStore", None, self._liveness.store_error, since=now)
+            lost = self._liveness.lost()
+            if lost:
+                return self._record("LostNode", None, f"agent(s) of node {lost} silent for "
+                                    f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
+                                    node=lost[0])
+        if wg.spec.rdzv_handler.num_nodes_waiting() > 0:
+            return self._record("MembershipChange", None, "a new agent is waiting in the rendezvous", since=now)
+        return None
+
+    def _report_calibration(self) -> None:
+        if self._calibrated_reported or not self._trackers:
+            return
+        if all(t.calibrated for t in self._trackers.values()):
+            timeout = max(t.timeout() or 0.0 for t in self._trackers.values())
+            self._calibrated_reported = True
+            self.events.hb_timeout.set(timeout)
+            self.events.emit("timeout", generation=self.generation, heartbeat_timeout_s=round(timeout, 3),
+                             longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3))
+
+    def _progress(self) -> int | None:
+        steps = [t.step for t in self._trackers.values() if t.step is not None]
+        return max(steps) if steps else None
+
+    def _record(self, reason: str, rank: int | None, detail: str, *, since: float | None,
+                node: int | None = None) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "generation": self.generation, "time": time.time(), "generation_started": self._gen_started,
+            "reason": reason, "node": self.node if node is None else node, "rank": rank,
+            "detail": detail, "first_beat": bool(self._trackers) and all(t.first_beat for t in self._trackers.values()),
+            "step": self._progress(), "resumed_step": self.resumed_step,
+            # from the last sign of life to now (None for a crash: its moment is not observed)
+            "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),
+        }
+
+    # ---- the loop ----
+    def _invoke_run(self, role: str = "default") -> RunResult:
+        try:
+            return self._loop()
+        except SignalException as exc:
+            self._stop_now()
+            self.events.emit("stopped", generation=self.generation, cause=f"signal {exc.sigval.name}")
+            self._persist(barrier=False)
+            self.exit_code = 128 + int(exc.sigval)
+            self.events.emit("exit", generation=self.generation, code=self.exit_code)
+            raise
+        finally:
+            if self._liveness is not None:
+                self._liveness.close()
+            shutil.rmtree(self._beat_dir, ignore_errors=True)
+
+    def _loop(self) -> RunResult:
+        wg = self._worker_group
+        spec = wg.spec
+        self._join()
+        self._start_workers_logged(wg)
+        self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
+                         world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
+                         if self._pcontext else [])
+        while True:
+            time.sleep(spec.monitor_interval)
+            result = self._monitor_workers(wg)
+            wg.state = result.state
+            if result.state == WorkerState.SUCCEEDED:
+                assert self._ctl is not None
+                self._ctl.mark_done(self.node)
+                self._exit_barrier()
+                self.events.emit("exit", generation=self.generation, code=0)
+                return result
+            progress = self._progress()
+            if progress is not None:
+                self.events.step.set(progress)
+            assert self._ctl is not None
+            claimed = self._ctl.claimed(self.generation)
+            if claimed is None:
+                local = self._detect(result)
+                if local is None:
+                    continue
+                claimed = self._ctl.claim(self.generation, local)
+            outcome = self._recover(claimed)
+            if outcome is not None:
+                return outcome
+
+    def _start_workers_logged(self, wg: WorkerGroup) -> None:
+        ids = self._start_workers(wg)
+        for local_rank, pid in ids.items():
+            wg.workers[local_rank].id = pid
+        wg.state = WorkerState.HEALTHY
+
+    def _recover(self, fault: dict[str, Any]) -> RunResult | None:
+        """Stop, agree, decide; restart in place (None) or end the run (a RunResult)."""
+        wg = self._worker_group
+        assert self._ctl is not None
+        t_detect = time.monotonic()
+        g = self.generation
+        self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
+                         detection_latency_s=fault.get("detection_latency_s"),
+                         heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
+        self._stop_now()
+        self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
+        self._ctl.stopped(g)
+        history = [_fault_of(r) for r in self._ctl.history(g)]
+        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
+                                               seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
+        all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
+            self._ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
+        if decision.action != Action.RESTART:
+            return self._finish(decision, all_here)
+        self._save_state(g + 1, self.full_restarts)
+        if decision.delay_s > 0:
+            self.events.emit("backoff", generation=g, delay_s=round(decision.delay_s, 3), why=decision.reason)
+            time.sleep(decision.delay_s)
+        if all_here:
+            self.generation = g + 1
+            self._start_workers_logged(wg)
+        else:  # a node is gone or new: torch's rendezvous waits for the membership to settle
+            self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
+            self._save_state(g + 1, self.full_restarts)
+            self._join()
+            self.generation = max(self.generation, g + 1)
+            self._start_workers_logged(wg)
+        recovery = time.monotonic() - t_detect
+        self.events.recovery.set(recovery)
+        self.events.downtime.inc(recovery)
+        if fault.get("detection_latency_s") is not None:
+            self.events.detection.set(float(fault["detection_latency_s"]))
+        self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
+                         why=decision.reason, recovery_s=round(recovery, 3),
+                         pids=list(self._pcontext.pids().values()) if self._pcontext else [])
+        return None
+
+    def _finish(self, decision: Decision, all_here: bool) -> RunResult:
+        g = self.generation
+        self._persist(barrier=all_here)
+        if decision.action == Action.FULL_RESTART:
+            self._save_state(g + 1, self.full_restarts + 1)
+            self.events.emit("restart", generation=g, kind="job", why=decision.reason)
+            self.exit_code = FULL_RESTART_EXIT
+        else:
+            self._save_state(g + 1, self.full_restarts)
+            self.exit_code = 1
+        self.events.emit("exit", generation=g, code=self.exit_code, why=decision.reason)
+        self._worker_group.state = WorkerState.FAILED
+        return RunResult(state=WorkerState.FAILED)
+
+    def _persist(self, *, barrier: bool) -> None:
+        o = self.opts
+        if not (o.namespace and o.durable_url):
+            return
+        from tierckpt.config import CheckpointConfig
+        from tierckpt.launcher.persist import persist_newest
+
+        ctl = self._ctl
+
+        def wait_all() -> bool:
+            if ctl is None:
+                return False
+            ctl.store.add(f"tierckpt/run/persisted/{self.generation}", 1)
+            deadline = time.monotonic() + 60
+            while int(ctl.store.add(f"tierckpt/run/persisted/{self.generation}", 0)) < self.nnodes:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+            return True
+
+        try:
+            cfg = CheckpointConfig(namespace=o.namespace, memory_dir=o.memory_dir or "/dev/shm/tierckpt",
+                                   durable_url=o.durable_url)
+            step = persist_newest(cfg, leader=self.node == 0,
+                                  barrier=wait_all if barrier and self.nnodes > 1 else None)
+            self.events.emit("persisted", generation=self.generation, step=step)
+        except Exception as exc:  # the exit goes on; the failure is reported
+            self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
+
+    def close(self) -> None:
+        self.events.close()
+
+
+def _fault_of(rec: dict[str, Any]) -> Fault:
+    return Fault(generation=int(rec["generation"]), time=float(rec["time"]),
+                 generation_started=float(rec["generation_started"]), reason=str(rec["reason"]),
+                 first_beat=bool(rec["first_beat"]), step=rec.get("step"), resumed_step=rec.get("resumed_step"))
+
+
+def _local_address(rdzv_host: str) -> str:
+    if rdzv_host in ("localhost", "::1") or rdzv_host.startswith("127."):
+        return "127.0.0.1"
+    return socket.getfqdn()

@@ -1,0 +1,163 @@
+"""``tierckpt run``: torchrun's own argument parser plus tierckpt's options; argv → agent → exit code.
+
+    tierckpt run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint host:29400 \\
+        --rdzv-id job1 --max-restarts 5 --job job.yaml --namespace run1 --events ev.jsonl train.py ...
+
+Every torchrun argument means what it means to torchrun. Exit codes: 0 the workers finished;
+1 the job failed (restarts exhausted, CrashLoop, NoProgress, bad job file: 2); 75
+(``FULL_RESTART_EXIT``) the job needs a full restart by the outer scheduler; 128 + N after
+signal N (the newest memory step was persisted first).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import uuid
+from argparse import ArgumentParser, Namespace
+from collections.abc import Sequence
+from typing import Any
+
+from tierckpt.errors import TierckptError
+
+__all__ = ["build_parser", "main"]
+
+log = logging.getLogger("tierckpt.run")
+
+_FAST_RDZV = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+
+
+def build_parser() -> ArgumentParser:
+    from torch.distributed.run import get_args_parser
+
+    p = get_args_parser()
+    p.prog = "tierckpt run"
+    p.description = ("A torchrun drop-in that detects crashes, hangs, non-finite losses, log-rule faults and lost "
+                     "nodes, restarts every worker in place with a new job-wide generation, and escalates per the "
+                     "HyperPod runPolicy. Exit codes: 0 done, 1 failed, 2 bad arguments or job file, "
+                     "75 full job restart needed, 128+N signal N.")
+    g = p.add_argument_group("tierckpt")
+    g.add_argument("--job", help="HyperPodPyTorchJob YAML (or just its runPolicy mapping): restart policy, log rules")
+    g.add_argument("--namespace", help="exported to workers as TIERCKPT_NAMESPACE")
+    g.add_argument("--memory-dir", help="exported as TIERCKPT_MEMORY_DIR; restart state is kept beside it")
+    g.add_argument("--durable-url", help="exported as TIERCKPT_DURABLE_URL; the newest step is persisted there on exit")
+    g.add_argument("--events", help="append events as JSON lines to this file")
+    g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1; "
+                   "TIERCKPT_METRICS_HOST to change)")
+    g.add_argument("--heartbeat-timeout", default="auto",
+                   help="'auto' (safety factor x the longest step interval, at least 5 s) or SECONDS")
+    g.add_argument("--node-timeout", type=float, default=10.0, help="an agent silent this long is a lost node")
+    g.add_argument("--stop-grace", type=float, default=0.0,
+                   help="SIGTERM grace (s) before SIGKILL when a fault stops workers (default: SIGKILL at once)")
+    return p
+
+
+def _options(args: Namespace) -> Any:
+    from tierckpt.launcher.escalation import EscalationPolicy
+    from tierckpt.launcher.heartbeat import HeartbeatPolicy
+    from tierckpt.launcher.jobspec import RunPolicy, load_job_file
+    from tierckpt.launcher.options import RunOptions
+
+    policy = RunPolicy()
+    if args.job:
+        job = load_job_file(args.job)
+        policy = job.run_policy
+        if job.ignored_fields:
+            log.warning("tierckpt run: job file fields not used by the launcher: %s", ", ".join(job.ignored_fields))
+    if args.heartbeat_timeout == "auto":
+        fixed = None
+    else:
+        try:
+            fixed = float(args.heartbeat_timeout)
+        except ValueError:
+            raise TierckptError(f"--heartbeat-timeout must be 'auto' or seconds, got {args.heartbeat_timeout!r}") from None
+        if not math.isfinite(fixed) or fixed <= 0:
+            raise TierckptError(f"--heartbeat-timeout must be positive, got {args.heartbeat_timeout!r}")
+    overrides = {}
+    if policy.job_max_retry_count is None:
+        overrides["job_max_retry_count"] = args.max_restarts
+    return RunOptions(
+        namespace=args.namespace, memory_dir=args.memory_dir, durable_url=args.durable_url,
+        events_path=args.events, metrics_port=args.metrics_port,
+        heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s),
+        run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
+        node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace,
+    )
+
+
+def _validate(args: Namespace) -> None:
+    from tierckpt.config import DurableLocation, validate_namespace
+
+    if args.namespace is not None:
+        validate_namespace(args.namespace)
+    if args.durable_url is not None:
+        DurableLocation.parse(args.durable_url)
+    if args.memory_dir is not None and not os.path.isabs(args.memory_dir):
+        raise TierckptError(f"--memory-dir must be an absolute path, got {args.memory_dir!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        _validate(args)
+        opts = _options(args)
+    except TierckptError as exc:
+        print(f"tierckpt run: error: {exc}", file=sys.stderr)
+        return 2
+    return launch(args, opts)
+
+
+def launch(args: Namespace, opts: Any) -> int:
+    from torch.distributed.elastic.agent.server.api import WorkerSpec
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+    from torch.distributed.launcher.api import _get_addr_and_port
+    from torch.distributed.run import config_from_args
+
+    from tierckpt.launcher.agent import TierckptAgent
+    from tierckpt.launcher.options import FULL_RESTART_EXIT
+
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    if args.tee == "0" and args.redirects == "0":
+        args.tee = "3"  # worker output to the console with rank prefixes, and to files for the log rules
+    if args.rdzv_backend == "c10d":
+        given = {kv.split("=", 1)[0] for kv in args.rdzv_conf.split(",") if "=" in kv}
+        extra = [f"{k}={v}" for k, v in _FAST_RDZV.items() if k not in given]
+        args.rdzv_conf = ",".join(x for x in [args.rdzv_conf, *extra] if x)
+    config, cmd, cmd_args = config_from_args(args)
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint, run_id=config.run_id,
+                                  min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    master_addr, master_port = _get_addr_and_port(params)
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
+                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
+                      monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
+                      local_addr=config.local_addr, duplicate_stdout_filters=config.duplicate_stdout_filters,
+                      duplicate_stderr_filters=config.duplicate_stderr_filters)
+    assert config.logs_specs is not None
+    agent = TierckptAgent(spec, config.logs_specs, opts, start_method=config.start_method,
+                          log_line_prefix_template=config.log_line_prefix_template,
+                          shutdown_timeout=int(config.shutdown_timeout or 30))
+    shutdown_rdzv = True
+    try:
+        result = agent.run()
+        if result.is_failed():
+            shutdown_rdzv = agent.exit_code != FULL_RESTART_EXIT
+            return agent.exit_code or 1
+        return 0
+    except SignalException as exc:
+        shutdown_rdzv = False  # the rendezvous stays open for the agents that come back
+        return agent.exit_code or 128 + int(exc.sigval)
+    finally:
+        agent.close()
+        if shutdown_rdzv:
+            spec.rdzv_handler.shutdown()

@@ -1,0 +1,77 @@
+"""What a user of ``tierckpt run`` sees: JSON-lines events, Prometheus metrics, log lines.
+
+    ev = Events(path="events.jsonl", node=0, metrics_port=9400)
+    ev.emit("fault", generation=3, reason="Hang", rank=1, detail="...")
+    ev.close()
+
+One JSON object per line, flushed at once: ``event`` (``started``, ``fault``, ``stopped``,
+``restart``, ``exit``, ``timeout``, ``warning``), ``time`` (Unix seconds), ``generation``,
+``node``, and the event's own fields (a fault: ``reason``, ``rank``; a restart: ``kind``
+``process`` or ``job``; an exit: ``code``). Each event also goes to the ``tierckpt.run`` logger
+and updates the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from tierckpt.metrics import MetricsServer, Registry, serve
+
+__all__ = ["Events"]
+
+log = logging.getLogger("tierckpt.run")
+
+
+class Events:
+    """The event sink of one agent (node)."""
+
+    def __init__(self, path: str | None, node: int | str, metrics_port: int | None = None) -> None:
+        self.node = node
+        self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in close()
+        self._lock = threading.Lock()
+        reg = self.registry = Registry()
+        self.faults = reg.counter("tierckpt_run_faults_total", "Faults detected, by reason", ("reason",))
+        self.restarts = reg.counter("tierckpt_run_restarts_total", "Restarts, by kind (process or job)", ("kind",))
+        self.downtime = reg.counter("tierckpt_run_downtime_seconds_total", "Seconds without running workers after faults")
+        self.detection = reg.gauge("tierckpt_run_last_detection_latency_seconds",
+                                   "From the fault's last sign of life to its detection")
+        self.recovery = reg.gauge("tierckpt_run_last_recovery_seconds",
+                                  "From detection to the workers of the next generation started")
+        self.generation = reg.gauge("tierckpt_run_generation", "Current restart generation (job-wide)")
+        self.step = reg.gauge("tierckpt_run_newest_step", "Newest training step reported by a heartbeat")
+        self.hb_timeout = reg.gauge("tierckpt_run_heartbeat_timeout_seconds", "Current hang timeout")
+        self.server: MetricsServer | None = None
+        if metrics_port is not None:
+            self.server = serve(reg, metrics_port, host=os.environ.get("TIERCKPT_METRICS_HOST", "127.0.0.1"))
+
+    def emit(self, event: str, *, generation: int, **fields: Any) -> dict[str, Any]:
+        rec: dict[str, Any] = {"event": event, "time": round(time.time(), 6), "generation": generation,
+                               "node": self.node}
+        rec.update(fields)
+        self.generation.set(generation)
+        if event == "fault":
+            self.faults.inc(reason=str(fields.get("reason")))
+        elif event == "restart":
+            self.restarts.inc(kind=str(fields.get("kind")))
+        line = json.dumps(rec, default=str)
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line + "\n")
+        level = logging.WARNING if event in ("fault", "warning") else logging.INFO
+        log.log(level, "[Node %s] Generation %s: %s %s", self.node, generation, event,
+                " ".join(f"{k}={v}" for k, v in fields.items()))
+        return rec
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

@@ -1,0 +1,43 @@
+"""The launcher's own settings beside torchrun's: one frozen value built at the command line's edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tierckpt.launcher.escalation import EscalationPolicy
+from tierckpt.launcher.heartbeat import HeartbeatPolicy
+from tierckpt.launcher.jobspec import RunPolicy
+
+__all__ = ["FULL_RESTART_EXIT", "RunOptions"]
+
+#: exit code of every agent when the job needs a full restart (EX_TEMPFAIL): the outer
+#: scheduler (Kubernetes Job/JobSet restart policy, Slurm --requeue, systemd) recreates them
+FULL_RESTART_EXIT = 75
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """What ``tierckpt run`` adds to torchrun.
+
+    namespace / memory_dir / durable_url   exported to workers as TIERCKPT_* (and used to
+                                           persist the newest memory step on the way out)
+    events_path                            JSON-lines events file (None: none)
+    metrics_port                           Prometheus endpoint port (None: none; 0: any)
+    heartbeat                              hang and startup detection
+    run_policy                             HyperPod runPolicy (log rules, deadlines)
+    escalation                             restart decisions
+    node_timeout_s                         an agent silent this long is a lost node
+    stop_grace_s                           SIGTERM grace before SIGKILL when a fault stops workers
+    """
+
+    namespace: str | None = None
+    memory_dir: str | None = None
+    durable_url: str | None = None
+    events_path: str | None = None
+    metrics_port: int | None = None
+    heartbeat: HeartbeatPolicy = field(default_factory=HeartbeatPolicy)
+    run_policy: RunPolicy = field(default_factory=RunPolicy)
+    escalation: EscalationPolicy = field(default_factory=EscalationPolicy)
+    node_timeout_s: float = 10.0
+    stop_grace_s: float = 0.0
+    liveness_interval_s: float = 0.5
