@@ -236,7 +236,10 @@ def test_full_job_ignored_fields() -> None:
             "kind": "HyperPodPyTorchJob",
             "metadata": {"name": "x"},
             "status": {"restartCount": 1},
-            "spec": {"elasticPolicy": {"minReplicas": 1}, "runPolicy": {"suspend": False, "workloadMode": "Deployment"}},
+            "spec": {
+                "elasticPolicy": {"minReplicas": 1},
+                "runPolicy": {"suspend": False, "workloadMode": "Deployment"},
+            },
         }
     )
     assert job.ignored_fields == (
@@ -284,9 +287,19 @@ def test_full_job_shape_errors(document: Any, match: str) -> None:
 
 
 def test_job_errors_use_spec_run_policy_path() -> None:
-    doc = {"kind": "HyperPodPyTorchJob", "spec": {"runPolicy": {"logMonitoringConfiguration": [_rule(), _rule(name="b", operator="gte", metricThreshold=1)]}}}
+    doc = {
+        "kind": "HyperPodPyTorchJob",
+        "spec": {
+            "runPolicy": {
+                "logMonitoringConfiguration": [_rule(), _rule(name="b", operator="gte", metricThreshold=1)]
+            }
+        },
+    }
     msg = _error(doc, run_policy=False)
-    assert msg == "spec.runPolicy.logMonitoringConfiguration[1].operator: 'gte' is not one of gt, gteq, lt, lteq, eq"
+    assert (
+        msg
+        == "spec.runPolicy.logMonitoringConfiguration[1].operator: 'gte' is not one of gt, gteq, lt, lteq, eq"
+    )
 
 
 # --- runPolicy fields --------------------------------------------------------------------------
@@ -341,7 +354,9 @@ def test_every_run_policy_field() -> None:
 
 
 def test_empty_and_null_fields_are_absent() -> None:
-    rp, ignored = parse_run_policy({"jobMaxRetryCount": None, "cleanPodPolicy": None, "logMonitoringConfiguration": None})
+    rp, ignored = parse_run_policy(
+        {"jobMaxRetryCount": None, "cleanPodPolicy": None, "logMonitoringConfiguration": None}
+    )
     assert rp == RunPolicy()
     assert ignored == []
 
@@ -353,17 +368,32 @@ def test_empty_and_null_fields_are_absent() -> None:
         ({"jobMaxRetryCount": True}, "runPolicy.jobMaxRetryCount: must be a whole number, got bool True"),
         ({"jobMaxRetryCount": 2.5}, "runPolicy.jobMaxRetryCount: must be a whole number, got float 2.5"),
         ({"jobMaxRetryCount": "3"}, "runPolicy.jobMaxRetryCount: must be a whole number, got str '3'"),
-        ({"startupDeadlineSeconds": 0}, "runPolicy.startupDeadlineSeconds: must be more than zero seconds, got 0"),
+        (
+            {"startupDeadlineSeconds": 0},
+            "runPolicy.startupDeadlineSeconds: must be more than zero seconds, got 0",
+        ),
         ({"faultDeadlineSeconds": -5}, "runPolicy.faultDeadlineSeconds: must be more than zero seconds"),
         ({"activeDeadlineSeconds": float("inf")}, "runPolicy.activeDeadlineSeconds: must be more than zero"),
-        ({"activeDeadlineSeconds": "1h"}, "runPolicy.activeDeadlineSeconds: must be a number of seconds, got str"),
-        ({"startupDeadlineSeconds": False}, "runPolicy.startupDeadlineSeconds: must be a number of seconds, got bool"),
-        ({"cleanPodPolicy": "Some"}, "runPolicy.cleanPodPolicy: 'Some' is not one of All, OnlyComplete, None"),
+        (
+            {"activeDeadlineSeconds": "1h"},
+            "runPolicy.activeDeadlineSeconds: must be a number of seconds, got str",
+        ),
+        (
+            {"startupDeadlineSeconds": False},
+            "runPolicy.startupDeadlineSeconds: must be a number of seconds, got bool",
+        ),
+        (
+            {"cleanPodPolicy": "Some"},
+            "runPolicy.cleanPodPolicy: 'Some' is not one of All, OnlyComplete, None",
+        ),
         ({"ttlSecondsAfterFinished": -2}, "runPolicy.ttlSecondsAfterFinished: must be at least -1"),
         ({"suspend": "yes"}, "runPolicy.suspend: must be true or false, got str 'yes'"),
         ({"workloadMode": 3}, "runPolicy.workloadMode: must be a string"),
         ({"restartPolicy": 3}, "runPolicy.restartPolicy: must be a mapping"),
-        ({"restartPolicy": {}}, "runPolicy.restartPolicy.evalPeriodSeconds: is required when restartPolicy is given"),
+        (
+            {"restartPolicy": {}},
+            "runPolicy.restartPolicy.evalPeriodSeconds: is required when restartPolicy is given",
+        ),
         (
             {"restartPolicy": {"evalPeriodSeconds": 0}},
             "runPolicy.restartPolicy.evalPeriodSeconds: must be more than zero seconds",
@@ -390,7 +420,10 @@ def test_empty_and_null_fields_are_absent() -> None:
         ),
         ({"jobMaxRetryCnt": 3}, "runPolicy.jobMaxRetryCnt: unknown field; did you mean 'jobMaxRetryCount'?"),
         ({"faultyScanInterval": 3}, "runPolicy.faultyScanInterval: unknown field"),
-        ({"logMonitoringConfiguration": {"name": "x"}}, "runPolicy.logMonitoringConfiguration: must be a list"),
+        (
+            {"logMonitoringConfiguration": {"name": "x"}},
+            "runPolicy.logMonitoringConfiguration: must be a list",
+        ),
         ({"logMonitoringConfiguration": "x"}, "runPolicy.logMonitoringConfiguration: must be a list"),
     ],
 )
@@ -458,7 +491,9 @@ def test_every_operator(op: str) -> None:
 
 def test_fault_on_match_rule() -> None:
     (rule,) = _policy(
-        logMonitoringConfiguration=[{"name": "OOM", "logPattern": ".*RuntimeError.*out of memory.*", "faultOnMatch": True}]
+        logMonitoringConfiguration=[
+            {"name": "OOM", "logPattern": ".*RuntimeError.*out of memory.*", "faultOnMatch": True}
+        ]
     ).log_rules
     assert rule.fault_on_match is True
 
@@ -493,7 +528,10 @@ P = "runPolicy.logMonitoringConfiguration[0]"
         ),
         (_rule(metricThreshold=2), f"{P}.operator: is required when metricThreshold is given"),
         (_rule(operator="gt"), f"{P}.metricThreshold: is required when operator is given"),
-        (_rule(operator="gte", metricThreshold=1), f"{P}.operator: 'gte' is not one of gt, gteq, lt, lteq, eq"),
+        (
+            _rule(operator="gte", metricThreshold=1),
+            f"{P}.operator: 'gte' is not one of gt, gteq, lt, lteq, eq",
+        ),
         (_rule(operator=1, metricThreshold=1), f"{P}.operator: must be a string, got int 1"),
         (_rule(operator="gt", metricThreshold="2"), f"{P}.metricThreshold: must be a number, got str '2'"),
         (_rule(operator="gt", metricThreshold=True), f"{P}.metricThreshold: must be a number, got bool"),
@@ -503,18 +541,30 @@ P = "runPolicy.logMonitoringConfiguration[0]"
             f"{P}.metricThreshold: needs a capture group in logPattern '.*Loss:.*'",
         ),
         (_rule(metricEvaluationDataPoints=0), f"{P}.metricEvaluationDataPoints: must be at least 1, got 0"),
-        (_rule(metricEvaluationDataPoints=True), f"{P}.metricEvaluationDataPoints: must be a whole number, got bool"),
+        (
+            _rule(metricEvaluationDataPoints=True),
+            f"{P}.metricEvaluationDataPoints: must be a whole number, got bool",
+        ),
         (_rule(metricEvaluationDataPoints=2.5), f"{P}.metricEvaluationDataPoints: must be a whole number"),
-        (_rule(expectedStartCutOffInSeconds=0), f"{P}.expectedStartCutOffInSeconds: must be more than zero seconds"),
+        (
+            _rule(expectedStartCutOffInSeconds=0),
+            f"{P}.expectedStartCutOffInSeconds: must be more than zero seconds",
+        ),
         (
             _rule(expectedRecurringFrequencyInSeconds=-1),
             f"{P}.expectedRecurringFrequencyInSeconds: must be more than zero seconds",
         ),
-        (_rule(expectedStartCutOffInSeconds="240"), f"{P}.expectedStartCutOffInSeconds: must be a number of seconds"),
+        (
+            _rule(expectedStartCutOffInSeconds="240"),
+            f"{P}.expectedStartCutOffInSeconds: must be a number of seconds",
+        ),
         (_rule(faultOnMatch="true"), f"{P}.faultOnMatch: must be true or false, got str 'true'"),
         (_rule(faultOnMatch=1), f"{P}.faultOnMatch: must be true or false, got int 1"),
         (_rule(logPatern="x"), f"{P}.logPatern: unknown field; did you mean 'logPattern'?"),
-        (_rule(expectedStartCutoffInSeconds=1), f"{P}.expectedStartCutoffInSeconds: unknown field; did you mean 'expectedStartCutOffInSeconds'?"),
+        (
+            _rule(expectedStartCutoffInSeconds=1),
+            f"{P}.expectedStartCutoffInSeconds: unknown field; did you mean 'expectedStartCutOffInSeconds'?",
+        ),
         ("x", f"{P}: must be a mapping of fields, got str"),
     ],
 )
@@ -537,7 +587,9 @@ def test_a_capture_group_without_threshold_is_fine() -> None:
 
 def test_non_capturing_groups_do_not_count() -> None:
     (rule,) = _policy(
-        logMonitoringConfiguration=[_rule(logPattern=r"(?:Batch \d+ )?Loss: ([0-9.]+)", operator="gt", metricThreshold=2)]
+        logMonitoringConfiguration=[
+            _rule(logPattern=r"(?:Batch \d+ )?Loss: ([0-9.]+)", operator="gt", metricThreshold=2)
+        ]
     ).log_rules
     assert rule.log_pattern.groups == 1
 
@@ -556,7 +608,10 @@ def test_non_capturing_groups_do_not_count() -> None:
         ({"metric_threshold": float("inf"), "operator": "gt"}, "metricThreshold: must be a finite number"),
         ({"metric_evaluation_data_points": 0}, "metricEvaluationDataPoints: must be at least 1"),
         ({"expected_start_cutoff_s": 0.0}, "expectedStartCutOffInSeconds: must be a positive number"),
-        ({"expected_recurring_frequency_s": float("nan")}, "expectedRecurringFrequencyInSeconds: must be a positive"),
+        (
+            {"expected_recurring_frequency_s": float("nan")},
+            "expectedRecurringFrequencyInSeconds: must be a positive",
+        ),
         (
             {"log_pattern": re.compile("x"), "metric_threshold": 1.0, "operator": "gt"},
             "metricThreshold: needs a capture group",
@@ -575,11 +630,14 @@ def test_values_are_frozen() -> None:
     with pytest.raises(AttributeError):
         rule.name = "s"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        LogRule("r", re.compile("x"))  # type: ignore[misc]
+        LogRule("r", re.compile("x"))  # type: ignore[call-arg]
 
 
 def test_parse_does_not_modify_input() -> None:
-    document = {"logMonitoringConfiguration": [_rule(operator="gt", metricThreshold=1)], "jobMaxRetryCount": 1}
+    document = {
+        "logMonitoringConfiguration": [_rule(operator="gt", metricThreshold=1)],
+        "jobMaxRetryCount": 1,
+    }
     before = copy.deepcopy(document)
     parse_run_policy(document)
     assert document == before
