@@ -267,6 +267,7 @@ class Checkpointer:
             md, mf = small
             rt = self.runtime
             rt.memory.commit(writer.step, writer._plan_data.save_id, {layout.METADATA: md, layout.MANIFEST: mf})
+            rt.committed_in_memory(writer.step)
             rt.apply_retention(rt.memory, rt.memory_retention)
         return small
 

@@ -9,6 +9,9 @@
     <tier root>/<namespace>/.trash/                        steps being deleted
     <memory root>/<namespace>/.slots/rank_<r>/slot_<k>     reusable shared-memory slots
     <memory root>/<namespace>/.pins/                       links that keep a slot busy
+    <memory root>/.agent.sock                              the node agent's local socket (if one runs)
+    <memory root>/.replicas/<node id>/<namespace>/step_<N>/  replicas of another node's files (agent)
+    <memory root>/.peer/<namespace>/step_<N>/              files fetched from peers for a load (agent)
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ STAGING = ".staging"
 TRASH = ".trash"
 SLOTS = ".slots"
 PINS = ".pins"
+AGENT_SOCKET = ".agent.sock"
+REPLICAS = ".replicas"
+PEER_CACHE = ".peer"
 _STEP_DIR_RE = re.compile(r"step_(0|[1-9][0-9]*)")
 
 

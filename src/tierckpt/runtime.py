@@ -19,6 +19,7 @@ from tierckpt.policy import RetentionPolicy
 from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
+from tierckpt.tiers.peer import notify_committed
 
 __all__ = ["RankRuntime", "runtime_for"]
 
@@ -54,6 +55,10 @@ class RankRuntime:
             if self._durable is None and self.config.durable_url is not None:
                 self._durable = open_durable(self.config)
             return self._durable
+
+    def committed_in_memory(self, step: int) -> None:
+        """Tell this node's agent, if one runs, that ``step`` is committed here (never waits)."""
+        notify_committed(self.config.memory_dir, self.config.namespace, step)
 
     def evict_oldest(self) -> bool:
         """Delete the oldest committed memory step that is not the newest; True if one went."""

@@ -29,6 +29,8 @@ class Availability:
     durable  committed durable steps (filled in by rank 0 only)
     bad      step → why this rank's memory copy was rejected
     durable_error  why rank 0 could not list the durable tier (None when it could)
+    peer     step → files this rank can fetch from other nodes through its node agent
+             (their memory tiers and the replicas they hold; empty without an agent)
     """
 
     rank: int
@@ -37,6 +39,7 @@ class Availability:
     durable: frozenset[int] | None = None
     bad: Mapping[int, str] = field(default_factory=dict)
     durable_error: str | None = None
+    peer: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,9 @@ def choose_step(
 ) -> Choice | None:
     """The newest step every rank can load completely (or ``requested``); None if nothing exists.
 
-    A rank can load step S if S is committed in the durable tier, or if its memory tier
-    holds S with every file S's manifest lists. An explicit step that exists nowhere →
+    A rank can load step S if S is committed in the durable tier, or if its memory tier and
+    its peers (other nodes' memory and replicas, through the node agent) together hold every
+    file S's manifest lists. An explicit step that exists nowhere →
     CheckpointNotFoundError; one that exists but is not loadable by every rank → IntegrityError.
     """
     durable: frozenset[int] = frozenset()
@@ -80,7 +84,8 @@ def choose_step(
     files: dict[int, frozenset[str]] = {}
     for a in avail:
         files.update(a.files)
-    seen = set(durable) | {s for a in avail for s in a.memory} | {s for a in avail for s in a.bad}
+    seen = (set(durable) | {s for a in avail for s in a.memory} | {s for a in avail for s in a.bad}
+            | {s for a in avail for s in a.peer})
 
     def why_not(step: int) -> str | None:
         if step in durable:
@@ -88,15 +93,17 @@ def choose_step(
         for a in avail:
             if step in a.bad:
                 return f"rank {a.rank}: {a.bad[step]}"
-            have = a.memory.get(step)
-            if have is None:
-                return f"rank {a.rank} has no copy (not in its memory tier, not durable)"
-            missing = files.get(step, frozenset()) - have
+            own, peers = a.memory.get(step), a.peer.get(step)
+            if own is None and peers is None:
+                return f"rank {a.rank} has no copy (not in its memory tier, not at peers, not durable)"
+            if own is None and step not in files:
+                return f"rank {a.rank}: no manifest of the step is reachable"
+            missing = files.get(step, frozenset()) - (own or frozenset()) - (peers or frozenset())
             if missing:
                 return (
                     f"rank {a.rank} cannot reach {', '.join(sorted(missing))}: it is only in another "
-                    "node's memory tier and the step has no durable copy (multi-node jobs need a "
-                    "durable tier to restart from memory-only steps)"
+                    "node's memory tier and the step has no durable copy (run `tierckpt agent` on every "
+                    "node with --replicas >= 1, or give the job a durable tier)"
                 )
         return None
 

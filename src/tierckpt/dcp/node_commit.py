@@ -74,6 +74,7 @@ def await_publication(rt: RankRuntime, step: int, save_id: str, log: StepLogger)
             raw = store.get(key)
             n = int.from_bytes(raw[:8], "little")
             rt.memory.commit(step, save_id, {layout.METADATA: raw[8 : 8 + n], layout.MANIFEST: raw[8 + n :]})
+            rt.committed_in_memory(step)
             rt.apply_retention(rt.memory, rt.memory_retention)
             log.info(step, "Committed to this node's memory (%s)", rt.memory.location(step))
         except Exception as exc:  # the save failed elsewhere, or the job ended: drop the staged copy

@@ -5,7 +5,9 @@ Call order (driven by ``dcp.load``, every rank):
                                                     with every rank (one all_gather), returns
                                                     that step's verified DCP Metadata
   → set_up_storage_reader(metadata, is_coordinator) → prepare_local_plan → [coordinator]
-  prepare_global_plan → read_data(plan, planner)    per file: the memory tier first, then durable;
+  prepare_global_plan → read_data(plan, planner)    per file: the memory tier first, then peers
+                                                    (through this node's agent, when one runs),
+                                                    then durable;
                                                     every item's checksum is checked before its
                                                     bytes reach a tensor; a bad copy falls back
                                                     to the next tier; none good → IntegrityError
@@ -51,6 +53,7 @@ from tierckpt.record import loads_metadata
 from tierckpt.runtime import RankRuntime, runtime_for
 from tierckpt.snapshot import resolve_stateful
 from tierckpt.tiers import Tier
+from tierckpt.tiers.peer import open_peer
 
 __all__ = ["TieredStorageReader"]
 
@@ -96,6 +99,8 @@ class TieredStorageReader(StorageReader):
         self.skipped: tuple[tuple[int, str], ...] = ()
         self.tiers_used: dict[str, str] = {}  # file → tier name it was read from
         self._in_memory: frozenset[str] = frozenset()
+        self._in_peer: frozenset[str] = frozenset()
+        self._peer: Tier | None = None
         self._manifests: dict[tuple[str, int], layout.Manifest] = {}  # sealed, per (tier, step)
         self._metadata_raw: dict[tuple[str, int], bytes] = {}  # verified .metadata, per (tier, step)
         self._manifest: layout.Manifest | None = None
@@ -142,6 +147,7 @@ class TieredStorageReader(StorageReader):
                     f"namespace {self.config.namespace!r} has no checkpoint in any tier"
                 )
             self._in_memory = local.memory.get(choice.step, frozenset())
+            self._in_peer = local.peer.get(choice.step, frozenset())
             verdicts = self._gather(self._preverify(rt, choice.step))
             failed = [v for v in verdicts if v]
             if not failed:
@@ -177,6 +183,7 @@ class TieredStorageReader(StorageReader):
                 continue
             memory[listing.step] = present
             files[listing.step] = frozenset(manifest.files)
+        peer = self._peer_availability(rt, files)
         durable, durable_error = None, None
         if self.rank == 0 and rt.durable is not None:
             try:
@@ -184,7 +191,28 @@ class TieredStorageReader(StorageReader):
             except StorageError as exc:
                 self._log.warning(None, "durable tier unavailable, using memory only: %s", exc)
                 durable, durable_error = frozenset(), str(exc)
-        return Availability(self.rank, memory, files, durable, bad, durable_error)
+        return Availability(self.rank, memory, files, durable, bad, durable_error, peer)
+
+    def _peer_availability(self, rt: RankRuntime, files: dict[int, frozenset[str]]) -> dict[int, frozenset[str]]:
+        """Files of each step that this node's agent can fetch from peers (none without an agent)."""
+        peer = open_peer(rt.config.memory_dir, rt.config.namespace)
+        self._peer = peer
+        if peer is None:
+            return {}
+        try:
+            catalog = peer.catalog()
+        except (StorageError, ValueError, KeyError, TypeError) as exc:
+            self._log.warning(None, "the node agent cannot list peers, loading without them: %s", exc)
+            self._peer = None
+            return {}
+        out: dict[int, frozenset[str]] = {}
+        for step, entry in catalog.items():
+            if step in self.exclude or (self.requested is not None and step != self.requested):
+                continue
+            out[step] = frozenset(entry.held)
+            if step not in files and entry.all_files:
+                files[step] = entry.all_files
+        return out
 
     def _gather(self, value: Any) -> list[Any]:
         return [value] if self.single_process else gather(value, self.group)
@@ -351,6 +379,8 @@ class TieredStorageReader(StorageReader):
         out: list[Tier] = []
         if (name in self._in_memory) if name is not None else bool(self._in_memory):
             out.append(rt.memory)
+        if self._peer is not None and ((name in self._in_peer) if name is not None else bool(self._in_peer)):
+            out.append(self._peer)
         if rt.durable is not None:
             out.append(rt.durable)
         return out

@@ -306,6 +306,7 @@ class TieredStorageWriter(StorageWriter):
         mf_raw = manifest.to_bytes()
         small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
         rt.memory.commit(step, save_id, small)
+        rt.committed_in_memory(step)
         self.committed = (md_raw, mf_raw)
         if self._plan_data is not None and self._plan_data.remote_nodes:
             node_commit.publish(rt, step, save_id, md_raw, mf_raw, log)

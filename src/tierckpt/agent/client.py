@@ -1,0 +1,159 @@
+"""Blocking I/O around the sans-IO protocol: a framed connection, and the client side of a peer.
+
+Call order (client): ``PeerClient.connect(addr, node_id, secret)`` (hello → auth → welcome) →
+``list`` / ``get_into`` / ``put`` / ``status``, one at a time → ``close``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tierckpt.agent import protocol as p
+
+__all__ = ["Connection", "PeerClient", "PeerError"]
+
+CHUNK = 8 << 20
+
+
+class PeerError(Exception):
+    """The peer answered with an error, or the connection failed (the message says which)."""
+
+
+class Connection:
+    """One framed socket; every read has the socket's timeout."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sock.sendall(p.encode(message))
+
+    def recv(self) -> dict[str, Any]:
+        length = p.parse_header(self._exact(p.HEADER.size))
+        return p.decode_body(self._exact(length))
+
+    def _exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                raise p.ProtocolViolation(f"connection closed after {got} of {n} bytes")
+            got += k
+        return bytes(buf)
+
+    def recv_into_file(self, fd: int, size: int) -> None:
+        """Receive exactly ``size`` raw bytes into an open file (written through a mapping-free buffer)."""
+        buf = bytearray(min(CHUNK, max(size, 1)))
+        view = memoryview(buf)
+        left = size
+        while left:
+            k = self.sock.recv_into(view[: min(len(buf), left)])
+            if k == 0:
+                raise p.ProtocolViolation(f"connection closed with {left} bytes of a file still to come")
+            written = 0
+            while written < k:
+                written += os.write(fd, view[written:k])
+            left -= k
+
+    def send_file(self, path: Path, size: int) -> None:
+        """Send exactly ``size`` bytes of ``path`` with sendfile (no copy through user space)."""
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size != size:
+                raise PeerError(f"{path} changed size while being sent")
+            sent = 0
+            while sent < size:
+                n = os.sendfile(self.sock.fileno(), f.fileno(), sent, min(size - sent, 1 << 30))
+                if n == 0:
+                    raise PeerError(f"short send of {path}")
+                sent += n
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class PeerClient(Connection):
+    """An authenticated connection to another agent; ``node`` is the id it reported."""
+
+    def __init__(self, sock: socket.socket, node: str) -> None:
+        super().__init__(sock)
+        self.node = node
+
+    @classmethod
+    def connect(cls, address: tuple[str, int], node_id: str, secret: bytes | None, *,
+                timeout: float = 30.0) -> PeerClient:
+        try:
+            sock = socket.create_connection(address, timeout=timeout)
+        except OSError as exc:
+            raise PeerError(f"cannot connect to agent {address[0]}:{address[1]}: {exc}") from exc
+        conn = Connection(sock)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            hello = conn.recv()
+            if hello.get("op") != "hello":
+                raise p.ProtocolViolation("expected hello")
+            server_node = p.validate_node_id(hello.get("node"))
+            server_nonce = p.validate_nonce(hello.get("nonce"))
+            mine = secrets.token_hex(32)
+            key = secret or b""
+            conn.send({"op": "auth", "node": node_id, "nonce": mine, "mac": p.client_mac(key, server_nonce, mine)})
+            welcome = conn.recv()
+            if welcome.get("op") != "welcome":
+                raise PeerError(f"agent {address[0]}:{address[1]} refused us: {welcome.get('message', welcome.get('op'))}")
+            p.check_mac(p.server_mac(key, mine, server_nonce), welcome.get("mac"))
+        except (OSError, p.ProtocolViolation) as exc:
+            conn.close()
+            raise PeerError(f"handshake with agent {address[0]}:{address[1]} failed: {exc}") from exc
+        except PeerError:
+            conn.close()
+            raise
+        return cls(sock, server_node)
+
+    def call(self, message: dict[str, Any]) -> dict[str, Any]:
+        self.send(message)
+        reply = self.recv()
+        if reply.get("op") == "error":
+            raise PeerError(f"agent {self.node}: {reply.get('message')}")
+        return reply
+
+    def list(self, namespace: str) -> list[dict[str, Any]]:
+        steps = self.call({"op": "list", "ns": namespace}).get("steps", [])
+        return steps if isinstance(steps, list) else []
+
+    def get_into(self, namespace: str, origin: str, step: int, name: str, dest: Path, *,
+                 max_size: int = p.MAX_FILE) -> int:
+        """Fetch one file into ``dest`` (created); its size."""
+        reply = self.call({"op": "get", "ns": namespace, "origin": origin, "step": step, "name": name})
+        size = reply.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= max_size:
+            raise p.ProtocolViolation(f"bad size {size!r} for {name}")
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            self.recv_into_file(fd, size)
+        finally:
+            os.close(fd)
+        return size
+
+    def put(self, namespace: str, origin: str, step: int, save_id: str, files: Sequence[tuple[str, Path | bytes]],
+            keep: Sequence[int]) -> None:
+        """Send a step's files (paths go by sendfile, bytes as they are); returns once stored."""
+        sizes = [(n, src.stat().st_size if isinstance(src, Path) else len(src)) for n, src in files]
+        self.send({"op": "put", "ns": namespace, "origin": origin, "step": step, "save_id": save_id,
+                   "files": [[n, s] for n, s in sizes], "keep": list(keep)})
+        for (_, src), (_, size) in zip(files, sizes, strict=True):
+            if isinstance(src, Path):
+                self.send_file(src, size)
+            else:
+                self.sock.sendall(src)
+        reply = self.recv()
+        if reply.get("op") != "stored":
+            raise PeerError(f"agent {self.node} did not store step {step}: {reply.get('message')}")

@@ -1,0 +1,123 @@
+"""``AgentConfig``: the node agent's settings, a frozen value validated on construction."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tierckpt.config import DEFAULT_MEMORY_DIR, DurableLocation
+from tierckpt.errors import ConfigError
+
+__all__ = ["AgentConfig", "default_node_id", "parse_address", "parse_budget", "read_secret"]
+
+_NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
+SECRET_ENV = "TIERCKPT_AGENT_SECRET"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``'host:port'`` → (host, port); ConfigError naming the fix."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"address {text!r} must be HOST:PORT, e.g. 127.0.0.1:7601")
+    return host.strip("[]"), int(port)
+
+
+def parse_budget(text: str, total_bytes: int) -> int:
+    """``'40%'`` of ``total_bytes`` (20-100 %), or a byte count (suffixes K, M, G, T)."""
+    t = text.strip()
+    if t.endswith("%"):
+        try:
+            pct = float(t[:-1])
+        except ValueError:
+            raise ConfigError(f"memory budget {text!r}: use a percentage such as 40% or bytes such as 64G") from None
+        if not 20 <= pct <= 100:
+            raise ConfigError(f"memory budget {text!r}: a percentage must be 20-100 % of node RAM")
+        return int(total_bytes * pct / 100)
+    m = re.fullmatch(r"([0-9]+)([KMGT]i?B?)?", t, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"memory budget {text!r}: use a percentage such as 40% or bytes such as 64G")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(m.group(1)) * {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[unit]
+
+
+def node_ram_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_node_id(memory_dir: str) -> str:
+    """Stable per (host, memory root): ``<host>-<8 hex digits of the root's real path>``."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:100] or "node"
+    digest = hashlib.sha256(os.path.realpath(memory_dir).encode()).hexdigest()[:8]
+    return f"{host}-{digest}"
+
+
+def read_secret(secret_file: str | None, environ: dict[str, str] | None = None) -> bytes | None:
+    """The job secret from ``secret_file`` (first line), else $TIERCKPT_AGENT_SECRET, else None."""
+    if secret_file:
+        try:
+            raw = Path(secret_file).read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"secret file {secret_file!r} cannot be read: {exc.strerror}") from None
+        if not raw:
+            raise ConfigError(f"secret file {secret_file!r} is empty")
+        return raw
+    env = os.environ if environ is None else environ
+    value = env.get(SECRET_ENV, "")
+    return value.encode() if value else None
+
+
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """Everything one node agent needs.
+
+    memory_dir     the node's memory tier root (shared by every namespace on the node)
+    listen         (host, port) for peers; port 0 picks a free one (see ``AgentHandle.address``)
+    peers          other agents' (host, port); the ring is built over the node ids they report
+    node_id        this node's stable identity (default: host + memory root)
+    replicas       how many other nodes receive a copy of this node's newest step (0 = none)
+    secret         the job secret; None → only a loopback ``listen`` is allowed
+    budget_bytes   node-wide cap on the memory tier (every namespace, replicas included); None = none
+    durable_url    where the agent drains steps on ``flush`` (None: flush is a no-op)
+    scan_interval_s  how often the agent rescans the memory root (notifications make it sooner)
+    metrics_port   serve Prometheus metrics on 127.0.0.1:<port> (None: off; 0 picks one)
+    """
+
+    memory_dir: str = DEFAULT_MEMORY_DIR
+    listen: tuple[str, int] = ("127.0.0.1", 0)
+    peers: tuple[tuple[str, int], ...] = ()
+    node_id: str = ""
+    replicas: int = 1
+    secret: bytes | None = field(default=None, repr=False)
+    budget_bytes: int | None = None
+    durable_url: str | None = None
+    scan_interval_s: float = 1.0
+    metrics_port: int | None = None
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.memory_dir):
+            raise ConfigError(f"memory_dir must be an absolute path, got {self.memory_dir!r}")
+        if not self.node_id:
+            object.__setattr__(self, "node_id", default_node_id(self.memory_dir))
+        if not _NODE_RE.fullmatch(self.node_id):
+            raise ConfigError(f"node id {self.node_id!r} may contain only letters, digits, '-' and '_' (1-128)")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
+            raise ConfigError(f"replicas must be a whole number >= 0, got {self.replicas!r}")
+        if self.secret is None and not _loopback(self.listen[0]):
+            raise ConfigError(
+                f"listening on {self.listen[0]} needs a job secret: set {SECRET_ENV} or pass --secret-file "
+                "(without one the agent listens on loopback only)"
+            )
+        if self.budget_bytes is not None and self.budget_bytes < 1:
+            raise ConfigError("budget_bytes must be at least 1")
+        if self.durable_url is not None:
+            DurableLocation.parse(self.durable_url)
+        if self.scan_interval_s <= 0:
+            raise ConfigError("scan_interval_s must be > 0")

@@ -1,0 +1,102 @@
+"""Drains owned by the agent: copy a namespace's newest memory step to the durable tier.
+
+``flush`` (the launcher calls it on exit: "persist what memory holds, then stop") copies, for
+each namespace on this node, the newest committed memory step that has no durable copy: this
+node's data files first, then, once every file the manifest lists is in the durable staging
+area, the small files and the marker (``Tier.commit``: marker last). With several nodes
+each agent copies its own files; whichever finds the set complete commits (one claim file
+decides on a filesystem tier). A trainer killed mid-drain loses nothing: the agent's copy
+does not depend on it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from tierckpt import layout
+from tierckpt.config import CheckpointConfig
+from tierckpt.errors import TierckptError
+from tierckpt.observability import get_logger, throughput
+from tierckpt.tiers import LocalTier, open_durable
+
+if TYPE_CHECKING:
+    from tierckpt.agent.service import Agent
+
+__all__ = ["flush"]
+
+_log = get_logger("agent")
+
+
+def flush(agent: Agent, namespace: str | None) -> dict[str, Any]:
+    url = agent.config.durable_url
+    if url is None:
+        return {"ok": True, "drained": {}, "note": "no durable_url: nothing to flush"}
+    out: dict[str, Any] = {}
+    errors: list[str] = []
+    for ns in [namespace] if namespace else agent.store.namespaces():
+        try:
+            out[ns] = drain_newest(agent, ns, url)
+        except (TierckptError, OSError) as exc:
+            errors.append(f"{ns}: {exc}")
+    agent.drain_state = {"last_flush": time.time(), "drained": out, "errors": errors}
+    agent.metrics.drain_lag.set(sum(1 for v in out.values() if v.get("state") == "partial"))
+    return {"ok": not errors, "drained": out, "error": "; ".join(errors) or None}
+
+
+def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
+    memory = agent.store.own(ns)
+    steps = memory.list_steps()
+    if not steps:
+        return {"state": "empty"}
+    newest = steps[-1]
+    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
+    assert durable is not None
+    try:
+        if any(s.step == newest.step for s in durable.list_steps()):
+            return {"step": newest.step, "state": "durable"}
+        mf_raw = memory.read_file(newest.step, layout.MANIFEST)
+        save_id = layout.check_marker(memory.read_file(newest.step, layout.MARKER), mf_raw,
+                                      where=memory.location(newest.step))
+        manifest = layout.Manifest.from_bytes(mf_raw)
+        md_raw = memory.read_file(newest.step, layout.METADATA)
+        t0, nbytes = time.perf_counter(), 0
+        mine = sorted(n for n in newest.files if n in manifest.files)
+        for name in mine:
+            pin = memory.pin(newest.step, name)
+            if pin is None:
+                raise TierckptError(f"{name} of step {newest.step} vanished from memory during the drain")
+            try:
+                nbytes += pin.stat().st_size
+                durable.put_file(newest.step, save_id, name, pin)
+            finally:
+                memory.unpin(pin)
+        if not _complete_and_claimed(durable, newest.step, save_id, set(manifest.files), set(mine)):
+            return {"step": newest.step, "state": "partial", "files": mine}
+        durable.commit(newest.step, save_id, {layout.METADATA: md_raw, layout.MANIFEST: mf_raw})
+        _log.info("[Agent %s] Step %d: drained %s to %s in %s", agent.node_id, newest.step, ns,
+                  durable.location(newest.step), throughput(nbytes, time.perf_counter() - t0))
+        return {"step": newest.step, "state": "durable", "files": mine}
+    finally:
+        closer = getattr(durable, "close", None)
+        if closer is not None:
+            closer()
+
+
+def _complete_and_claimed(durable: Any, step: int, save_id: str, wanted: set[str], mine: set[str]) -> bool:
+    """True when every data file is staged and this agent won the right to commit."""
+    if wanted <= mine:
+        return True
+    if not isinstance(durable, LocalTier):
+        return False  # another node's agent commits once it holds the rest (S3: one node's files only)
+    staging = durable.staging_dir(step, save_id)
+    if not all((staging / n).exists() for n in wanted):
+        return False
+    try:
+        fd = os.open(staging / ".commit-claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    except OSError:  # claimed by another agent, or committed already (staging renamed)
+        return False
+    os.close(fd)
+    (staging / ".commit-claim").unlink(missing_ok=True)  # the marker must be the only extra file
+    return True

@@ -1,0 +1,213 @@
+"""Requests from this node's trainers and tools (the Unix socket): notices, catalog, fetch, status, flush.
+
+    committed {ns, step}        a step was committed here: wake the replication loop (no reply)
+    catalog {ns}                steps and files held by peers and by this node's replicas
+    fetch {ns, step, name}      place a verified copy in <memory root>/.peer/<ns>/step_<N>/<name>
+    status {}                   what ``tierckpt agent status`` prints
+    budget {}                   {budget_bytes, used_bytes}
+    make_room {bytes}           evict (node budget order) until ``bytes`` more fit
+    flush {ns?}                 copy each namespace's newest step to the durable tier, then reply
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from tierckpt import layout
+from tierckpt.agent import protocol as p
+from tierckpt.agent.client import PeerClient, PeerError
+from tierckpt.agent.server import reply_error
+from tierckpt.errors import IntegrityError, TierckptError
+
+if TYPE_CHECKING:
+    from tierckpt.agent.service import Agent, Holder
+
+__all__ = ["handle"]
+
+
+def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
+    op = req.get("op")
+    if op == "committed":
+        p.validate_node_id(req.get("ns"))  # namespace charset; the scan re-reads the disk anyway
+        agent._wake.set()
+        return None
+    if op == "catalog":
+        return catalog(agent, _ns(req))
+    if op == "fetch":
+        ns, step, name = _ns(req), _step(req), p.validate_file_name(req.get("name"))
+        with agent.fetch_lock((ns, step, name)):
+            return fetch(agent, ns, step, name)
+    if op == "status":
+        return {"ok": True, **agent.status()}
+    if op == "budget":
+        return {"ok": True, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}
+    if op == "make_room":
+        nbytes = req.get("bytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise p.ProtocolViolation("bytes must be a whole number >= 0")
+        ok = agent.enforce_budget(nbytes)
+        return {"ok": ok, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}
+    if op == "flush":
+        from tierckpt.agent.drain import flush
+
+        return flush(agent, None if req.get("ns") is None else _ns(req))
+    raise p.ProtocolViolation(f"unknown op {str(op)[:32]!r}")
+
+
+def _ns(req: dict[str, Any]) -> str:
+    return p.parse_request({"op": "list", "ns": req.get("ns")}).namespace  # type: ignore[union-attr]
+
+
+def _step(req: dict[str, Any]) -> int:
+    step = req.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= 2**62:
+        raise p.ProtocolViolation("step must be a whole number >= 0")
+    return step
+
+
+def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
+    """Record every copy of ``ns`` this node can fetch from (its own replicas, each reachable
+    peer's steps and replicas); return step → every file its manifest lists."""
+    from tierckpt.agent.service import Holder
+
+    keyed: list[tuple[int, Holder]] = []
+    all_files: dict[int, set[str]] = {}
+    for mine in agent.store.holdings(ns):
+        all_files.setdefault(mine.step, set()).update(mine.all_files)
+        if mine.kind == "replica":
+            keyed.append((mine.step, Holder(agent.node_id, None, mine.origin, mine.save_id, mine.held)))
+    for addr in agent.config.peers:
+        try:
+            client = PeerClient.connect(addr, agent.node_id, agent.config.secret, timeout=10.0)
+        except PeerError:
+            continue
+        try:
+            for e in client.list(ns):
+                step = int(e["step"])
+                held = {p.validate_file_name(n): int(s) for n, s in dict(e.get("held", {})).items()}
+                keyed.append((step, Holder(client.node, addr, p.validate_node_id(e.get("origin")),
+                                           str(e.get("save_id", "")), held)))
+                all_files.setdefault(step, set()).update(p.validate_file_name(n) for n in e.get("all", []))
+        except (PeerError, p.ProtocolViolation, OSError, KeyError, TypeError, ValueError):
+            continue
+        finally:
+            client.close()
+    with agent._lock:
+        for key in [k for k in agent._holders if k[0] == ns]:
+            del agent._holders[key]
+        for step, h in keyed:
+            agent._holders.setdefault((ns, step), []).append(h)
+    return all_files
+
+
+def catalog(agent: Agent, ns: str) -> dict[str, Any]:
+    all_files = holders(agent, ns)
+    with agent._lock:
+        items = [(k[1], v) for k, v in agent._holders.items() if k[0] == ns]
+    steps = []
+    for step, hs in sorted(items):
+        held: dict[str, int] = {}
+        for h in hs:
+            held.update(h.held)
+        steps.append({"step": step, "held": held, "all": sorted(all_files.get(step, set()))})
+    return {"ok": True, "steps": steps}
+
+
+def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
+    """Place a verified copy of one file in the peer cache, trying each holder in turn."""
+    with agent._lock:
+        known = list(agent._holders.get((ns, step), []))
+    if not known:
+        holders(agent, ns)
+        with agent._lock:
+            known = list(agent._holders.get((ns, step), []))
+    cache = agent.store.cache(ns)
+    step_dir = cache.step_dir(step)
+    errors: list[str] = []
+    manifest = _manifest(agent, ns, step, known, errors)  # the seal first: it decides what is good
+    if manifest is None:
+        return reply_error(f"no peer holds a sealed manifest of step {step}: {'; '.join(errors)}", "missing")
+    if name in (layout.MANIFEST, layout.MARKER):
+        return {"ok": True}
+    known.sort(key=lambda h: h.save_id != manifest.save_id)  # copies of the same save first
+    candidates = [h for h in known if name in h.held]
+    if not candidates:
+        return reply_error(f"no peer holds {name} of step {step}", "missing")
+    bad = False
+    for h in candidates:
+        tmp = step_dir.parent / layout.STAGING / f"{step}.{name}.{uuid.uuid4().hex[:8]}"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _get(agent, h, ns, step, name, tmp)
+            _check(tmp, name, manifest, f"{name} of step {step} from {h.node}")
+            step_dir.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, step_dir / name)
+            agent.metrics.fetched_bytes.inc((step_dir / name).stat().st_size)
+            return {"ok": True, "holder": h.node, "origin": h.origin}
+        except IntegrityError as exc:
+            bad = True
+            errors.append(str(exc))
+        except (PeerError, p.ProtocolViolation, OSError, TierckptError) as exc:
+            errors.append(f"{h.node}: {exc}")
+        finally:
+            tmp.unlink(missing_ok=True)
+    return reply_error("; ".join(errors), "integrity" if bad else "storage")
+
+
+def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Any) -> None:
+    if h.address is None:  # a replica on this node: a second link, no copy
+        src = agent.store.replica(h.origin, ns).step_dir(step) / name
+        try:
+            os.link(src, dest)
+        except OSError:
+            shutil.copyfile(src, dest)
+        return
+    client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
+    try:
+        client.get_into(ns, h.origin, step, name, dest)
+    finally:
+        client.close()
+
+
+def _manifest(agent: Agent, ns: str, step: int, known: list[Holder], errors: list[str]) -> layout.Manifest | None:
+    """The step's sealed manifest from the first holder that has one; cached beside the files."""
+    cache_dir = agent.store.cache(ns).step_dir(step)
+    for h in [h for h in known if layout.MANIFEST in h.held and layout.MARKER in h.held]:
+        tmp = cache_dir.parent / layout.STAGING / f"{step}.mf.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        try:
+            _get(agent, h, ns, step, layout.MANIFEST, tmp / layout.MANIFEST)
+            _get(agent, h, ns, step, layout.MARKER, tmp / layout.MARKER)
+            mf_raw = (tmp / layout.MANIFEST).read_bytes()
+            layout.check_marker((tmp / layout.MARKER).read_bytes(), mf_raw, where=f"step {step} on {h.node}")
+            mf = layout.Manifest.from_bytes(mf_raw, where=f"step {step} on {h.node}")
+            if (mf.namespace, mf.step) != (ns, step):
+                raise IntegrityError(f"{h.node}: manifest of step {step} names {mf.namespace}/step_{mf.step}")
+            cached = cache_dir / layout.MANIFEST
+            if cached.exists() and cached.read_bytes() != mf_raw:
+                shutil.rmtree(cache_dir, ignore_errors=True)  # files of another save of this step
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            for n in (layout.MANIFEST, layout.MARKER):
+                os.replace(tmp / n, cache_dir / n)
+            return mf
+        except (PeerError, p.ProtocolViolation, OSError, TierckptError) as exc:
+            errors.append(f"{h.node}: {exc}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return None
+
+
+def _check(path: Any, name: str, manifest: layout.Manifest, where: str) -> None:
+    from tierckpt.agent.service import verify_file
+
+    if name == layout.METADATA:
+        if layout.checksum(path.read_bytes()) != manifest.metadata_xxh3:
+            raise IntegrityError(f"{where}: fails its checksum")
+        return
+    size = manifest.files.get(name)
+    if size is None or path.stat().st_size != size:
+        raise IntegrityError(f"{where}: not {size} bytes as the manifest says")
+    verify_file(path, [r for r in manifest.items if r.file == name], where)

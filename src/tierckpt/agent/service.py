@@ -1,0 +1,367 @@
+"""``Agent``: one node's service. Replicates, serves peers, fetches for loads, keeps the budget.
+
+Threads: the two listeners (``server``), and one loop that wakes on a commit notice or every
+``scan_interval_s``: learn the peers' node ids, replicate each namespace's newest own step to
+the ring successors that lack it, then enforce the node budget. Peer requests run in their
+connection's thread; a replica is staged, verified against its manifest, then committed with
+the marker last, so one that is not complete and verified never counts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierckpt import layout
+from tierckpt.agent import protocol as p
+from tierckpt.agent.client import Connection, PeerClient, PeerError
+from tierckpt.agent.config import AgentConfig
+from tierckpt.agent.metrics import AgentMetrics
+from tierckpt.agent.server import LocalServer, PeerServer
+from tierckpt.agent.store import Held, NodeStore, select_evictions
+from tierckpt.errors import IntegrityError, TierckptError
+from tierckpt.integrity import verify_items
+from tierckpt.observability import get_logger, throughput
+
+__all__ = ["Agent", "ring_targets"]
+
+_log = get_logger("agent")
+_SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
+MAX_SMALL = 64 << 20
+PEER_REFRESH_S = 5.0
+
+
+def ring_targets(nodes: Sequence[str], me: str, k: int) -> list[str]:
+    """The ``k`` nodes after ``me`` on the ring of sorted node ids (never ``me``)."""
+    ring = sorted(set(nodes) | {me})
+    i = ring.index(me)
+    return [ring[(i + j) % len(ring)] for j in range(1, min(k, len(ring) - 1) + 1)]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Where a peer file can be fetched: another agent, or this node's own replica area."""
+
+    node: str
+    address: tuple[str, int] | None  # None: a replica on this node
+    origin: str
+    save_id: str
+    held: dict[str, int]
+
+
+class Agent:
+    """The node service; see ``tierckpt.agent.start_agent`` for hosting it."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.store = NodeStore(config.memory_dir, config.node_id)
+        self.metrics = AgentMetrics()
+        self.peer_ids: dict[tuple[str, int], str] = {}
+        self.replicated: dict[str, tuple[int, str, frozenset[str]]] = {}  # ns → (step, save id, nodes)
+        self._holders: dict[tuple[str, int], list[Holder]] = {}
+        self._fetch_locks: dict[tuple[str, int, str], threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._peers_checked = 0.0
+        self.drain_state: dict[str, Any] = {}
+        Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
+        self.store.gc()
+        self.peer_server = PeerServer(self, *config.listen)
+        self.address = self.peer_server.address
+        self.local_server = LocalServer(self, Path(config.memory_dir) / layout.AGENT_SOCKET)
+        self._loop = threading.Thread(target=self._run, name="tierckpt-agent-loop", daemon=True)
+        self._loop.start()
+        _log.info("[Agent %s] serving %s on %s:%d (peers: %s, replicas: %d)", self.node_id, config.memory_dir,
+                  *self.address, ", ".join(f"{h}:{q}" for h, q in config.peers) or "none", config.replicas)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._loop.join(timeout=10)
+        self.local_server.close()
+        self.peer_server.close()
+
+    # -- the loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.config.scan_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self.tick()
+            except Exception as exc:  # the loop must outlive any one failure; logged, retried
+                _log.warning("[Agent %s] scan failed: %s", self.node_id, exc)
+
+    def tick(self) -> None:
+        """One round: refresh peers, replicate newest steps, enforce the budget."""
+        if time.monotonic() - self._peers_checked > PEER_REFRESH_S or len(self.peer_ids) < len(self.config.peers):
+            self._refresh_peers()
+        if self.config.replicas > 0:
+            for ns in self.store.namespaces():
+                self._replicate_newest(ns)
+        self.enforce_budget(0)
+        self._update_gauges()
+
+    def _refresh_peers(self) -> None:
+        self._peers_checked = time.monotonic()
+        for addr in self.config.peers:
+            try:
+                client = PeerClient.connect(addr, self.node_id, self.config.secret, timeout=5.0)
+                client.close()
+                self.peer_ids[addr] = client.node
+            except PeerError:
+                self.peer_ids.pop(addr, None)
+
+    def targets(self) -> list[tuple[str, tuple[str, int]]]:
+        by_node = {node: addr for addr, node in self.peer_ids.items() if node != self.node_id}
+        return [(n, by_node[n]) for n in ring_targets(list(by_node), self.node_id, self.config.replicas)]
+
+    # -- replication (sender) -------------------------------------------------------------
+    def _replicate_newest(self, ns: str) -> None:
+        tier = self.store.own(ns)
+        steps = tier.list_steps()
+        if not steps:
+            return
+        newest = steps[-1]
+        targets = self.targets()
+        try:
+            mf_raw = tier.read_file(newest.step, layout.MANIFEST)
+            save_id = layout.check_marker(tier.read_file(newest.step, layout.MARKER), mf_raw,
+                                          where=tier.location(newest.step))
+            md_raw = tier.read_file(newest.step, layout.METADATA)
+        except TierckptError:
+            return  # deleted meanwhile, or damaged: nothing to offer
+        done = self.replicated.get(ns)
+        have = done[2] if done and done[:2] == (newest.step, save_id) else frozenset()
+        todo = [(n, a) for n, a in targets if n not in have]
+        if not todo:
+            return
+        data = sorted(n for n in newest.files if n.endswith(".distcp"))
+        pins = [(n, tier.pin(newest.step, n)) for n in data]
+        try:
+            if any(pin is None for _, pin in pins):
+                return
+            files: list[tuple[str, Path | bytes]] = [(n, pin) for n, pin in pins if pin is not None]
+            files += [(layout.METADATA, md_raw), (layout.MANIFEST, mf_raw),
+                      (layout.MARKER, tier.read_file(newest.step, layout.MARKER))]
+            keep = [s.step for s in steps]
+            for node, addr in todo:
+                if self._send_replica(ns, newest.step, save_id, files, keep, node, addr):
+                    have = have | {node}
+        finally:
+            for _, pin in pins:
+                if pin is not None:
+                    tier.unpin(pin)
+        self.replicated[ns] = (newest.step, save_id, frozenset(have))
+
+    def _send_replica(self, ns: str, step: int, save_id: str, files: list[tuple[str, Path | bytes]],
+                      keep: list[int], node: str, addr: tuple[str, int]) -> bool:
+        nbytes = sum(src.stat().st_size if isinstance(src, Path) else len(src) for _, src in files)
+        t0 = time.perf_counter()
+        try:
+            client = PeerClient.connect(addr, self.node_id, self.config.secret)
+            try:
+                client.sock.settimeout(max(60.0, nbytes / 50e6))
+                client.put(ns, self.node_id, step, save_id, files, keep)
+            finally:
+                client.close()
+        except (PeerError, p.ProtocolViolation, OSError) as exc:
+            _log.warning("[Agent %s] Step %d: replication of %s to %s failed: %s", self.node_id, step, ns, node, exc)
+            self.metrics.replication_failures.inc()
+            return False
+        dt = time.perf_counter() - t0
+        self.metrics.replicated_bytes.inc(nbytes)
+        self.metrics.replication_seconds.set(dt)
+        _log.info("[Agent %s] Step %d: replicated %s to %s in %s", self.node_id, step, ns, node, throughput(nbytes, dt))
+        return True
+
+    # -- peer requests (receiver) -----------------------------------------------------------
+    def handle_peer(self, req: p.Request, conn: Connection, peer: str) -> None:
+        if isinstance(req, p.ListSteps):
+            steps = [{"step": h.step, "origin": h.origin, "save_id": h.save_id, "held": h.held, "all": list(h.all_files)}
+                     for h in self.store.holdings(req.namespace)]
+            conn.send({"op": "listing", "steps": steps})
+        elif isinstance(req, p.Get):
+            self._serve_get(req, conn)
+        elif isinstance(req, p.Put):
+            self._receive(req, conn, peer)
+        else:
+            conn.send({"op": "status", **self.status()})
+
+    def _serve_get(self, req: p.Get, conn: Connection) -> None:
+        tier = self.store.tier_for(req.origin, req.namespace)
+        path = tier.step_dir(req.step) / req.name
+        pin = tier.pin(req.step, req.name) if req.origin == self.node_id else None
+        src = pin or path
+        try:
+            if not (tier.step_dir(req.step) / layout.MARKER).exists() or not src.exists():
+                conn.send({"op": "error", "message": f"{req.namespace}/step_{req.step}/{req.name} is not held here"})
+                return
+            size = src.stat().st_size
+            conn.send({"op": "file", "size": size})
+            conn.send_file(src, size)
+        except PeerError as exc:
+            raise p.ProtocolViolation(str(exc)) from exc
+        finally:
+            if pin is not None:
+                tier.unpin(pin)
+
+    def _receive(self, req: p.Put, conn: Connection, peer: str) -> None:
+        if req.origin == self.node_id or req.origin != peer:
+            raise p.ProtocolViolation(f"node {peer} may only send its own steps")
+        if any(n in _SMALL and s > MAX_SMALL for n, s in req.files):
+            raise p.ProtocolViolation("a metadata file larger than 64 MiB")
+        if not self.enforce_budget(req.nbytes):
+            raise p.ProtocolViolation(f"no room for {req.nbytes} bytes within the node budget")
+        tier = self.store.replica(req.origin, req.namespace)
+        staging = tier.staging_dir(req.step, req.save_id)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        (staging / f".owner-{socket.gethostname()}-{os.getpid()}").touch()
+        t0 = time.perf_counter()
+        small: dict[str, bytes] = {}
+        try:
+            for name, size in req.files:
+                if name in _SMALL:
+                    small[name] = conn._exact(size)
+                    continue
+                fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    conn.recv_into_file(fd, size)
+                finally:
+                    os.close(fd)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        try:
+            self._verify_replica(req, staging, small)
+        except (IntegrityError, p.ProtocolViolation, OSError) as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            self.metrics.replicas_rejected.inc()
+            conn.send({"op": "error", "message": f"replica rejected: {exc}"})
+            return
+        tier.commit(req.step, req.save_id, {layout.METADATA: small[layout.METADATA],
+                                            layout.MANIFEST: small[layout.MANIFEST]})
+        for s in tier.list_steps():
+            if s.step != req.step and s.step not in req.keep:
+                tier.delete(s.step)  # the origin no longer holds it
+        _log.info("[Agent %s] Step %d: stored a replica of %s from %s in %s", self.node_id, req.step,
+                  req.namespace, req.origin, throughput(req.nbytes, time.perf_counter() - t0))
+        conn.send({"op": "stored"})
+
+    @staticmethod
+    def _verify_replica(req: p.Put, staging: Path, small: dict[str, bytes]) -> None:
+        if set(small) != set(_SMALL):
+            raise IntegrityError("a replica needs .metadata, manifest.json and COMMITTED")
+        where = f"replica {req.namespace}/step_{req.step} from {req.origin}"
+        save_id = layout.check_marker(small[layout.MARKER], small[layout.MANIFEST], where=where)
+        mf = layout.Manifest.from_bytes(small[layout.MANIFEST], where=where)
+        if (mf.namespace, mf.step, mf.save_id, save_id) != (req.namespace, req.step, req.save_id, req.save_id):
+            raise IntegrityError(f"{where}: manifest names {mf.namespace}/step_{mf.step} save {mf.save_id}")
+        if layout.checksum(small[layout.METADATA]) != mf.metadata_xxh3:
+            raise IntegrityError(f"{where}: .metadata fails its checksum")
+        for name, size in req.files:
+            if name in _SMALL:
+                continue
+            if mf.files.get(name) != size:
+                raise IntegrityError(f"{where}: {name} is not in the manifest with {size} bytes")
+            verify_file(staging / name, [r for r in mf.items if r.file == name], f"{where}/{name}")
+
+    # -- local requests -------------------------------------------------------------------
+    def handle_local(self, req: dict[str, Any]) -> dict[str, Any] | None:
+        from tierckpt.agent import local  # the load-time half lives there
+
+        return local.handle(self, req)
+
+    # -- budget ---------------------------------------------------------------------------
+    def enforce_budget(self, extra: int) -> bool:
+        """Evict until ``extra`` more bytes fit the node budget; False if they cannot."""
+        budget = self.config.budget_bytes
+        if budget is None:
+            return True
+        with self._lock:
+            used = self.store.usage_bytes()
+            if used + extra <= budget:
+                return True
+            for victim in select_evictions(self.store.everything(), used + extra - budget):
+                self.evict(victim)
+                used = self.store.usage_bytes()
+                if used + extra <= budget:
+                    return True
+            return used + extra <= budget
+
+    def evict(self, victim: Held) -> None:
+        self.store.delete(victim)
+        self.metrics.evictions.inc(kind=victim.kind)
+        _log.warning("[Agent %s] Step %d: evicted the %s copy of %s%s (%d bytes, node budget)", self.node_id,
+                     victim.step, victim.kind, victim.namespace, f" from {victim.origin}" if victim.origin else "",
+                     victim.nbytes)
+
+    # -- status -----------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        held = self.store.everything()
+        own: dict[str, list[int]] = {}
+        replicas: dict[str, dict[str, list[int]]] = {}
+        for h in held:
+            if h.kind == "own":
+                own.setdefault(h.namespace, []).append(h.step)
+            elif h.kind == "replica":
+                replicas.setdefault(h.origin, {}).setdefault(h.namespace, []).append(h.step)
+        return {
+            "node": self.node_id, "address": f"{self.address[0]}:{self.address[1]}",
+            "memory_dir": self.config.memory_dir,
+            "peers": {f"{a[0]}:{a[1]}": n for a, n in self.peer_ids.items()},
+            "ring_targets": [n for n, _ in self.targets()],
+            "namespaces": {ns: {"steps": sorted(s), "replicated": self._replicated_view(ns)} for ns, s in own.items()},
+            "replicas_held": replicas,
+            "budget_bytes": self.config.budget_bytes, "used_bytes": self.store.usage_bytes(),
+            "held_bytes": {k: sum(h.nbytes for h in held if h.kind == k) for k in ("own", "replica", "cache")},
+            "drain": self.drain_state,
+        }
+
+    def _replicated_view(self, ns: str) -> dict[str, Any]:
+        done = self.replicated.get(ns)
+        return {} if done is None else {"step": done[0], "to": sorted(done[2])}
+
+    def _update_gauges(self) -> None:
+        for kind in ("own", "replica", "cache"):
+            self.metrics.held_bytes.set(0, kind=kind)
+        for h in self.store.everything():
+            self.metrics.held_bytes.inc(h.nbytes, kind=h.kind)
+        lag = 0
+        for ns in self.store.namespaces():
+            steps = self.store.own(ns).list_steps()
+            done = self.replicated.get(ns)
+            if steps and self.config.replicas > 0 and (done is None or done[0] != steps[-1].step or not done[2]):
+                lag += 1
+        self.metrics.replication_lag.set(lag)
+
+    def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
+        with self._lock:
+            return self._fetch_locks.setdefault(key, threading.Lock())
+
+
+def verify_file(path: Path, records: list[layout.ItemRecord], where: str) -> None:
+    """Every item's checksum over a local file (mapped read-only)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            verify_items(memoryview(b""), records, where)
+            return
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)
+            try:
+                verify_items(view, records, where)
+            finally:
+                view.release()
