@@ -294,7 +294,7 @@ class Agent:
             used = self.store.usage_bytes()
             if used + extra <= budget:
                 return True
-            for victim in select_evictions(self.store.everything(), used + extra - budget):
+            for victim in select_evictions(self.store.everything(), used + extra - budget, ("cache", "replica")):
                 self.evict(victim)
                 used = self.store.usage_bytes()
                 if used + extra <= budget:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,20 +42,24 @@ class Held:
     all_files: tuple[str, ...] = ()
 
 
-def select_evictions(entries: Sequence[Held], need_bytes: int) -> list[Held]:
+def select_evictions(entries: Sequence[Held], need_bytes: int, kinds: Collection[str] = ("cache", "replica", "own")
+                     ) -> list[Held]:
     """Copies to delete, in order, until ``need_bytes`` are freed (all candidates if they do not suffice).
 
-    Order: peer-cache copies, then replicas that are not their origin's newest, then own steps
-    that are not their namespace's newest (oldest first within each group), then the newest
-    replicas. The newest own step of each namespace is never selected.
+    Order: peer-cache copies, then own steps that are not their namespace's newest, then
+    replicas that are not their origin's newest, then the newest replicas (oldest first within
+    each group): a replica goes after its holder's own older steps. The newest own step of
+    each namespace is never selected. ``kinds`` limits the candidates: the agent itself passes
+    ('cache', 'replica'), because deleting an own step frees a slot for its trainer's next save
+    but no memory (slots are reused, not freed).
     """
     def rank(h: Held) -> tuple[int, float]:
-        group = {"cache": 0, "replica": 1 if not h.newest else 3, "own": 2}[h.kind]
+        group = {"cache": 0, "own": 1, "replica": 2 if not h.newest else 3}[h.kind]
         return group, h.mtime
 
     chosen: list[Held] = []
     freed = 0
-    for h in sorted((h for h in entries if not (h.kind == "own" and h.newest)), key=rank):
+    for h in sorted((h for h in entries if h.kind in kinds and not (h.kind == "own" and h.newest)), key=rank):
         if freed >= need_bytes:
             break
         chosen.append(h)
