@@ -4,6 +4,7 @@
     tierckpt [...] verify STEP
     tierckpt demo [--steps N] [--workdir DIR]
     tierckpt bench s3 [...]
+    tierckpt agent serve|status|flush [...]                      the node agent (docs/agent.md)
 Settings fall back to TIERCKPT_NAMESPACE, TIERCKPT_MEMORY_DIR, TIERCKPT_DURABLE_URL.
 """
 
@@ -32,8 +33,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=24)
     d.add_argument("--workdir", default="demo-output")
     b = sub.add_parser("bench", help="benchmarks against the anchors")
-    b.add_argument("suite", choices=["local", "s3"], help="local: memory tier against memcpy, torch.save, DCP")
+    b.add_argument("suite", choices=["local", "s3", "replication"],
+                   help="local: memory tier against memcpy, torch.save, DCP; replication: agents against a socket copy")
     b.add_argument("rest", nargs=argparse.REMAINDER)
+    from tierckpt.agent.cli import add_arguments as add_agent_arguments
+
+    add_agent_arguments(sub.add_parser("agent", help="the node agent: serve, status, flush"))
     return p
 
 
@@ -49,6 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tierckpt.demo import run_demo
 
             return run_demo(steps=args.steps, workdir=args.workdir)
+        if args.command == "agent":
+            from tierckpt.agent.cli import main as agent_main
+
+            return agent_main(args)
         if args.command == "bench":
             import importlib
 
