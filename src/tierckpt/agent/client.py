@@ -67,12 +67,10 @@ class Connection:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size != size:
                 raise PeerError(f"{path} changed size while being sent")
-            sent = 0
-            while sent < size:
-                n = os.sendfile(self.sock.fileno(), f.fileno(), sent, min(size - sent, 1 << 30))
-                if n == 0:
-                    raise PeerError(f"short send of {path}")
-                sent += n
+            # socket.sendfile: os.sendfile under the hood, waiting for room within the socket's timeout
+            sent = self.sock.sendfile(f, 0, size) if size else 0
+            if sent != size:
+                raise PeerError(f"short send of {path}: {sent} of {size} bytes")
 
     def close(self) -> None:
         try:
