@@ -85,7 +85,7 @@ def test_lost_node_resumes_from_a_replica(node_dir) -> None:
     dirs = [node_dir(f"n{i}") for i in range(3)]
     ports = [_free_port() for _ in range(3)]
     ids = [f"node-{i}" for i in range(3)]
-    procs = [_start_agent(d, n, port, [q for q in ports if q != port]) for d, n, port in zip(dirs, ids, ports)]
+    procs = [_start_agent(d, n, port, [q for q in ports if q != port]) for d, n, port in zip(dirs, ids, ports, strict=True)]
     try:
         for proc in procs:
             _ready(proc)
