@@ -33,6 +33,16 @@ def _trace(path: Path, event: str, **fields: Any) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
+def _digest(model: Any) -> str:
+    """xxh3 of every parameter's bytes: the resumed state must equal the saved one, bit for bit."""
+    import xxhash
+
+    h = xxhash.xxh3_64()
+    for p in model.parameters():
+        h.update(p.detach().contiguous().view(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
@@ -43,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="one global DCP checkpoint (needs a durable tier across nodes); default: local mode")
     ap.add_argument("--fault", choices=["none", "crash_on_start", "nan", "silent", "exit"], default="none")
     ap.add_argument("--fault-step", type=int, default=5)
-    ap.add_argument("--fault-generation", type=int, default=0)
+    ap.add_argument("--fault-generation", type=int, default=0, help="-1: every generation")
     ap.add_argument("--fault-rank", type=int, default=1)
     args = ap.parse_args(argv)
     t_start = time.time()
@@ -52,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     rank_env = int(os.environ.get("RANK", "0"))
     trace = work / f"trace_rank{rank_env}.jsonl"
     gen = int(os.environ.get("TIERCKPT_GENERATION", "0"))
-    faulty = gen == args.fault_generation and rank_env == args.fault_rank
+    faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
     _trace(trace, "start", interpreter_start=t_start)
     if faulty and args.fault == "crash_on_start":
         print("crashing on start (as asked)", flush=True)
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         if resumed is not None:
             model.load_state_dict(state["model"])
             optim.load_state_dict(state["optim"])
-        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0,
+        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model),
                tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None)
         for step in range((resumed or 0) + 1, args.steps + 1):
             t_step = time.time()
@@ -106,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             monitor.step(step, loss=value)
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
-            _trace(trace, "step", step=step)
+            _trace(trace, "step", step=step, digest=_digest(model))
             time.sleep(max(0.0, args.step_time - (time.time() - t_step)))
         ck.wait()
     _trace(trace, "done", step=args.steps)

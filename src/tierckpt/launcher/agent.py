@@ -279,6 +279,16 @@ class TierckptAgent(LocalElasticAgent):
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:
             return self._loop()
+        except _store_errors() as exc:  # the rendezvous store (its host agent) is gone
+            self._stop_now()
+            self.events.emit("fault", generation=self.generation, reason="LostStore", node=None, rank=None,
+                             detail=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            self._persist(barrier=False)
+            self.exit_code = FULL_RESTART_EXIT
+            self.events.emit("restart", generation=self.generation, kind="job", why="the rendezvous store is gone")
+            self.events.emit("exit", generation=self.generation, code=self.exit_code)
+            self._worker_group.state = WorkerState.FAILED
+            return RunResult(state=WorkerState.FAILED)
         except SignalException as exc:
             self._stop_now()
             self.events.emit("stopped", generation=self.generation, cause=f"signal {exc.sigval.name}")
@@ -374,6 +384,8 @@ class TierckptAgent(LocalElasticAgent):
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
         g = self.generation
         self._persist(barrier=all_here)
+        if all_here:  # the store's host must not leave while the others still read it
+            self._barrier(f"exit/{g}", timeout=30.0)
         if decision.action == Action.FULL_RESTART:
             self._save_state(g + 1, self.full_restarts + 1)
             self.events.emit("restart", generation=g, kind="job", why=decision.reason)
@@ -385,37 +397,47 @@ class TierckptAgent(LocalElasticAgent):
         self._worker_group.state = WorkerState.FAILED
         return RunResult(state=WorkerState.FAILED)
 
+    def _barrier(self, key: str, timeout: float) -> bool:
+        ctl = self._ctl
+        if ctl is None:
+            return False
+        try:
+            ctl.store.add(f"tierckpt/run/{key}", 1)
+            deadline = time.monotonic() + timeout
+            while int(ctl.store.add(f"tierckpt/run/{key}", 0)) < self.nnodes:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.02)
+            return True
+        except _store_errors():
+            return False
+
     def _persist(self, *, barrier: bool) -> None:
         o = self.opts
         if not (o.namespace and o.durable_url):
             return
         from tierckpt.config import CheckpointConfig
-        from tierckpt.launcher.persist import persist_newest
-
-        ctl = self._ctl
+        from tierckpt.launcher.persist import persist_all
 
         def wait_all() -> bool:
-            if ctl is None:
-                return False
-            ctl.store.add(f"tierckpt/run/persisted/{self.generation}", 1)
-            deadline = time.monotonic() + 60
-            while int(ctl.store.add(f"tierckpt/run/persisted/{self.generation}", 0)) < self.nnodes:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.02)
-            return True
+            return self._barrier(f"persisted/{self.generation}", timeout=60.0)
 
         try:
             cfg = CheckpointConfig(namespace=o.namespace, memory_dir=o.memory_dir or "/dev/shm/tierckpt",
                                    durable_url=o.durable_url)
-            step = persist_newest(cfg, leader=self.node == 0,
-                                  barrier=wait_all if barrier and self.nnodes > 1 else None)
-            self.events.emit("persisted", generation=self.generation, step=step)
+            steps = persist_all(cfg, leader=self.node == 0, barrier=wait_all if barrier and self.nnodes > 1 else None)
+            self.events.emit("persisted", generation=self.generation, steps=steps)
         except Exception as exc:  # the exit goes on; the failure is reported
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
         self.events.close()
+
+
+def _store_errors() -> tuple[type[BaseException], ...]:
+    import torch.distributed as dist
+
+    return (dist.DistError,) if hasattr(dist, "DistError") else (RuntimeError,)
 
 
 def _fault_of(rec: dict[str, Any]) -> Fault:

@@ -138,6 +138,10 @@ def launch(args: Namespace, opts: Any) -> int:
                                   local_addr=config.local_addr, **config.rdzv_configs)
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
+    # workers meet on a fresh store per generation (agent.py), never on the agents' store; and
+    # with the shared store a rank-0 survivor never republishes MASTER_ADDR for a new round, so
+    # a replacement node would wait forever in its first rendezvous
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
                       rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,

@@ -11,15 +11,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from pathlib import Path
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.integrity import sealed_manifest, verified_metadata, verify_copy
 from tierckpt.tiers import open_durable, open_memory
 
-__all__ = ["persist_newest"]
+__all__ = ["persist_all", "persist_newest"]
 
 log = logging.getLogger("tierckpt.run")
+
+
+def persist_all(config: CheckpointConfig, *, leader: bool,
+                barrier: Callable[[], bool] | None = None) -> dict[str, int | None]:
+    """``persist_newest`` for the namespace and for each of its local-mode namespaces on this node."""
+    root = Path(config.memory_dir)
+    names = [config.namespace] + sorted(p.name for p in root.glob(f"{config.namespace}--rank*") if p.is_dir())
+    return {ns: persist_newest(config.replace(namespace=ns), leader=leader,
+                               barrier=barrier if ns == config.namespace else None) for ns in names}
 
 
 def persist_newest(config: CheckpointConfig, *, leader: bool,
@@ -44,10 +54,11 @@ def persist_newest(config: CheckpointConfig, *, leader: bool,
     for name in sorted(manifest.files):
         if name in held and name.endswith(".distcp"):
             durable.put_file(newest, manifest.save_id, name, memory.step_dir(newest) / name)
-    all_there = barrier() if barrier is not None else True
-    if not leader:
+    holds_all = all(n in held for n in manifest.files)
+    all_there = holds_all or (barrier() if barrier is not None else False)
+    if not leader and not holds_all:
         return newest
-    if not all_there and not all(n in held for n in manifest.files):
+    if not all_there:
         log.warning("persist: not every node copied its files of step %s; not committed", newest)
         return None
     durable.commit(newest, manifest.save_id, {

@@ -1,0 +1,159 @@
+"""A job of several ``tierckpt run`` agents on 127.0.0.1 for the scenario tests.
+
+    job = LocalJob(tmp_path, shm_factory, nnodes=2, train=["--steps", "60"])
+    job.start()                                  # one agent per node, each its own memory root
+    job.wait_for(lambda: job.last_step(1) >= 10, 60, "rank 1 trains")
+    os.kill(job.worker_pid(1), signal.SIGKILL)
+    codes = job.wait_exit(120)
+
+Every agent runs in its own session, so ``kill_node`` (SIGKILL to the agent's process
+group) takes the agent and its workers, like a machine that is gone. ``close`` kills what is
+left, by process group of the agents this object started. No sleep is a check: ``wait_for``
+polls a condition until a deadline and fails with what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+NS = "scn"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return out
+
+
+class LocalJob:
+    def __init__(self, tmp: Path, shm: Callable[[str], str], *, nnodes: int = 2, train: Sequence[str] = (),
+                 run_args: Sequence[str] = (), job_file: Path | None = None, durable: str | None = None,
+                 node_timeout: float = 3.0, max_restarts: int = 3) -> None:
+        self.tmp = tmp
+        self.work = tmp / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.nnodes = nnodes
+        self.port = free_port()
+        self.memory = [shm(f"n{n}") for n in range(nnodes)]
+        self.train = list(train)
+        self.run_args = list(run_args)
+        self.job_file = job_file
+        self.durable = durable
+        self.node_timeout = node_timeout
+        self.max_restarts = max_restarts
+        self.agents: dict[int, subprocess.Popen[bytes]] = {}
+        self.rdzv_id = f"job{self.port}"
+
+    def command(self, node: int) -> list[str]:
+        cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
+               f"--rdzv-conf=is_host={int(node == 0)}", f"--max-restarts={self.max_restarts}",
+               "--monitor-interval=0.1", f"--namespace={NS}", f"--memory-dir={self.memory[node]}",
+               f"--events={self.events_path(node)}", f"--node-timeout={self.node_timeout}", *self.run_args]
+        if self.job_file is not None:
+            cmd.append(f"--job={self.job_file}")
+        if self.durable is not None:
+            cmd.append(f"--durable-url={self.durable}")
+        return [*cmd, "-m", "tierckpt.demo.resilient", "--workdir", str(self.work), *self.train]
+
+    def events_path(self, node: int) -> Path:
+        return self.tmp / f"events{node}.jsonl"
+
+    def start(self) -> None:
+        for n in range(self.nnodes):
+            self.start_agent(n)
+
+    def start_agent(self, node: int) -> None:
+        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+        log = open(self.tmp / f"agent{node}.log", "ab")  # noqa: SIM115 - the child owns it
+        self.agents[node] = subprocess.Popen(self.command(node), env=env, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True)
+        log.close()
+
+    # ---- what happened ----
+    def events(self, node: int | None = None) -> list[dict[str, Any]]:
+        nodes = range(self.nnodes) if node is None else [node]
+        return [e for n in nodes for e in read_jsonl(self.events_path(n))]
+
+    def trace(self, rank: int) -> list[dict[str, Any]]:
+        return read_jsonl(self.work / f"trace_rank{rank}.jsonl")
+
+    def last_step(self, rank: int, generation: int | None = None) -> int:
+        steps = [e["step"] for e in self.trace(rank) if e["event"] == "step"
+                 and (generation is None or e["generation"] == generation)]
+        return max(steps, default=-1)
+
+    def resumed(self, rank: int, generation: int) -> dict[str, Any] | None:
+        for e in self.trace(rank):
+            if e["event"] == "resumed" and e["generation"] == generation:
+                return e
+        return None
+
+    def worker_pid(self, rank: int) -> int:
+        return int((self.work / f"pid_rank{rank}").read_text())
+
+    def log(self, node: int) -> str:
+        return (self.tmp / f"agent{node}.log").read_text(errors="replace")
+
+    # ---- waiting ----
+    def wait_for(self, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for: {what}\n{self.report()}")
+
+    def wait_exit(self, timeout: float, nodes: Sequence[int] | None = None) -> dict[int, int]:
+        nodes = list(self.agents) if nodes is None else list(nodes)
+        self.wait_for(lambda: all(self.agents[n].poll() is not None for n in nodes), timeout, "agents exit")
+        return {n: int(self.agents[n].returncode) for n in nodes}
+
+    def report(self) -> str:
+        parts = []
+        for n in sorted(self.agents):
+            tail = "\n".join(self.log(n).splitlines()[-25:]) if (self.tmp / f"agent{n}.log").exists() else ""
+            parts.append(f"--- agent {n} (rc {self.agents[n].poll()}) events:\n"
+                         + "\n".join(json.dumps(e) for e in self.events(n)) + f"\n--- log tail:\n{tail}")
+        return "\n".join(parts)
+
+    def kill_node(self, node: int) -> None:
+        """The machine is gone: SIGKILL to the agent and every worker in its session."""
+        os.killpg(self.agents[node].pid, signal.SIGKILL)
+        self.agents[node].wait(timeout=30)
+
+    def close(self) -> None:
+        for proc in self.agents.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=30)
+        for proc in self.agents.values():  # workers orphaned by an agent killed alone
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
