@@ -3,6 +3,7 @@
     tierckpt [--namespace NS] [--memory-dir DIR] [--durable-url URL] ls
     tierckpt [...] verify STEP
     tierckpt demo [--steps N] [--workdir DIR]
+    tierckpt run [torchrun arguments] [--job FILE ...] script ...
     tierckpt bench s3 [...]
     tierckpt agent serve|status|flush [...]                      the node agent (docs/agent.md)
 Settings fall back to TIERCKPT_NAMESPACE, TIERCKPT_MEMORY_DIR, TIERCKPT_DURABLE_URL.
@@ -29,8 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("ls", help="steps in every tier: committed or not, files, sizes")
     v = sub.add_parser("verify", help="check every checksum of a step in every tier")
     v.add_argument("step", type=int)
-    d = sub.add_parser("demo", help="train on 2 CPU ranks, kill one with SIGKILL, resume from memory")
-    d.add_argument("--steps", type=int, default=24)
+    d = sub.add_parser("demo", help="tierckpt run on 2 nodes x 1 worker: SIGKILL a worker, watch the job recover")
+    d.add_argument("--steps", type=int, default=40)
     d.add_argument("--workdir", default="demo-output")
     b = sub.add_parser("bench", help="benchmarks against the anchors")
     b.add_argument("suite", choices=["local", "s3", "replication"],

@@ -1,9 +1,11 @@
-"""``tierckpt demo``: train on 2 CPU ranks, SIGKILL one mid-run, restart, resume from memory.
+"""``tierckpt demo``: a job under ``tierckpt run`` loses a worker to SIGKILL and recovers by itself.
 
-The driver starts the job with torchrun (gloo on 127.0.0.1), waits until rank 1 has saved
-about half the steps, kills it with SIGKILL, lets torchrun tear the job down, starts it
-again and reads each rank's result: which step and tier it resumed from, whether the
-resumed state equals the state saved at that step, and how long saves blocked.
+The driver starts two ``tierckpt run`` agents on 127.0.0.1 (two "nodes", one worker each, gloo,
+each node its own memory tier), waits until the job has trained a while, SIGKILLs the worker
+under agent 1 and then only watches: the agents detect the crash, stop every worker, start the
+next generation, the workers resume from the memory tier and train to the end. It prints the
+detection and recovery times from the agents' events and the workers' traces, and checks that
+both ranks resumed the same step with the parameters saved at that step, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["run_demo"]
 
@@ -27,63 +31,94 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(steps: int, work: Path, memory_dir: str) -> subprocess.Popen[bytes]:
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def _start(work: Path, memory: list[str], steps: int) -> list[subprocess.Popen[bytes]]:
+    port, rdzv_id = _free_port(), f"demo{os.getpid()}"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "--max-restarts=0",
-        "-m", "tierckpt.demo.train", "--steps", str(steps), "--workdir", str(work), "--memory-dir", memory_dir,
-    ]
-    log = open(work / "torchrun.log", "ab")
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    procs = []
+    for n in (0, 1):
+        cmd = [sys.executable, "-m", "tierckpt.cli", "run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf=is_host={int(n == 0)}",
+               "--max-restarts=3", "--monitor-interval=0.1", "--namespace=tierckpt-demo", f"--memory-dir={memory[n]}",
+               f"--events={work / f'events_node{n}.jsonl'}", "-m", "tierckpt.demo.resilient",
+               "--workdir", str(work), "--steps", str(steps)]
+        log = open(work / f"agent{n}.log", "ab")  # noqa: SIM115 - the child owns it
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        log.close()
+    return procs
 
 
-def run_demo(*, steps: int = 24, workdir: str = "demo-output", memory_dir: str = "/dev/shm/tierckpt") -> int:
-    from tierckpt.demo.train import NAMESPACE
-
+def run_demo(*, steps: int = 40, workdir: str = "demo-output", memory_dir: str = "/dev/shm/tierckpt") -> int:
     work = Path(workdir).resolve()
     shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(Path(memory_dir) / NAMESPACE, ignore_errors=True)
     work.mkdir(parents=True)
-    kill_at = max(2, steps // 2)
-    print(f"tierckpt demo: 2 ranks (torchrun, gloo), {steps} steps, memory every step, durable every 5")
-    print(f"  memory tier  {memory_dir}/{NAMESPACE}\n  durable tier {work / 'durable'}")
+    os.makedirs(memory_dir, exist_ok=True)
+    memory = [tempfile.mkdtemp(prefix=f"demo-node{n}-", dir=memory_dir) for n in (0, 1)]
+    kill_at = max(4, steps // 3)
+    print(f"tierckpt demo: tierckpt run, 2 nodes x 1 worker (gloo on 127.0.0.1), {steps} steps, a memory "
+          f"checkpoint every step;\n  SIGKILL of the worker on node 1 after step {kill_at}; logs in {work}")
+    procs = _start(work, memory, steps)
+    try:
+        return _watch(work, procs, kill_at)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for m in memory:
+            shutil.rmtree(m, ignore_errors=True)  # give the shared memory back
 
-    job = _launch(steps, work, memory_dir)
-    progress, pid_file = work / "pids" / "progress_1", work / "pids" / "rank_1"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and job.poll() is None:
-        if progress.exists() and progress.read_text().strip() and int(progress.read_text()) >= kill_at:
-            break
+
+def _last_step(work: Path, rank: int) -> int:
+    return max((e["step"] for e in _jsonl(work / f"trace_rank{rank}.jsonl") if e["event"] == "step"), default=-1)
+
+
+def _watch(work: Path, procs: list[subprocess.Popen[bytes]], kill_at: int) -> int:
+    deadline = time.monotonic() + 240
+    while _last_step(work, 1) < kill_at:
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            print(f"the job did not reach step {kill_at}; see {work}/agent*.log")
+            return 1
         time.sleep(0.02)
-    if job.poll() is not None:
-        print(f"first run ended early (exit {job.returncode}); see {work / 'torchrun.log'}")
-        return 1
-    victim = int(pid_file.read_text())
+    victim = int((work / "pid_rank1").read_text())
+    t_kill = time.time()
     os.kill(victim, signal.SIGKILL)
-    killed_after = progress.read_text()
-    print(f"  run 1: SIGKILL sent to rank 1 (pid {victim}) after it saved step {killed_after}")
-    job.wait(timeout=120)
-    print(f"  run 1: torchrun exited with {job.returncode} (the job died)")
-
-    t0 = time.monotonic()
-    job = _launch(steps, work, memory_dir)
-    rc = job.wait(timeout=600)
-    print(f"  run 2: restarted, exited with {rc} after {time.monotonic() - t0:.1f}s")
-    if rc != 0:
-        print(f"restart failed; see {work / 'torchrun.log'}")
+    print(f"  SIGKILL -> worker rank 1 (pid {victim}) after step {_last_step(work, 1)}")
+    for p in procs:
+        p.wait(timeout=240)
+    codes = [p.returncode for p in procs]
+    events = [e for n in (0, 1) for e in _jsonl(work / f"events_node{n}.jsonl")]
+    traces = {r: _jsonl(work / f"trace_rank{r}.jsonl") for r in (0, 1)}
+    fault = min((e for e in events if e["event"] == "fault"), key=lambda e: e["time"], default=None)
+    restart = max((e for e in events if e["event"] == "restart"), key=lambda e: e["time"], default=None)
+    if fault is None or restart is None or codes != [0, 0]:
+        print(f"the job did not recover (agent exit codes {codes}); see {work}/agent*.log")
         return 1
-    results = [json.loads((work / f"result_rank_{r}.json").read_text()) for r in (0, 1)]
-    ok = all(r["resumed_from"] is not None and r["state_matches"] for r in results)
-    print("\nsummary")
-    for r in results:
-        print(
-            f"  rank {r['rank']}: resumed from step {r['resumed_from']} ({', '.join(r['load_tiers'])} tier), "
-            f"load {r['load_s'] * 1000:.1f} ms, state equals the saved one: {r['state_matches']}, "
-            f"median save blocking {r['median_blocking_s'] * 1000:.1f} ms over {len(r['blocking_s'])} saves, "
-            f"trained to step {r['final_step']}"
-        )
-    print("\nresumed after SIGKILL: " + ("OK" if ok else "FAILED"))
-    shutil.rmtree(Path(memory_dir) / NAMESPACE, ignore_errors=True)  # give the shared memory back
-    print(f"(removed the demo's memory tier; its durable copies stay in {work / 'durable'})")
-    return 0 if ok else 1
+    g = restart["generation"]
+    resumed = {r: next(e for e in traces[r] if e["event"] == "resumed" and e["generation"] == g) for r in (0, 1)}
+    first = max(next(e["time"] for e in traces[r] if e["event"] == "step" and e["generation"] == g) for r in (0, 1))
+    step = resumed[0]["step"]
+    saved = {r: {e["step"]: e["digest"] for e in traces[r] if e["event"] == "step" and e["generation"] < g}
+             for r in (0, 1)}
+    same = all(resumed[r]["step"] == step and saved[r].get(step) == resumed[r]["digest"] for r in (0, 1))
+    print(f"  detected: {fault['reason']} of rank {fault['rank']} ({fault['detail']}) "
+          f"{fault['time'] - t_kill:.2f}s after the kill")
+    print(f"  every worker stopped and generation {g} started {restart['time'] - t_kill:.2f}s after the kill")
+    print(f"  resumed step {step} from the {', '.join(resumed[0]['tiers'] or [])} tier "
+          f"(load {max(r['load_s'] for r in resumed.values()) * 1000:.1f} ms); "
+          f"first training step after the restore {first - t_kill:.2f}s after the kill")
+    print(f"  both ranks resumed the state saved at step {step}, bit for bit: {same}")
+    print(f"  trained to step {_last_step(work, 0)}; agents exited {codes}")
+    print("\nrecovered from SIGKILL by itself: " + ("OK" if same else "FAILED"))
+    return 0 if same else 1
