@@ -64,13 +64,15 @@ class LocalJob:
         self.max_restarts = max_restarts
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.rdzv_id = f"job{self.port}"
+        self.per_node_args: dict[int, list[str]] = {}
 
     def command(self, node: int) -> list[str]:
         cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf=is_host={int(node == 0)}", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.1", f"--namespace={NS}", f"--memory-dir={self.memory[node]}",
-               f"--events={self.events_path(node)}", f"--node-timeout={self.node_timeout}", *self.run_args]
+               f"--events={self.events_path(node)}", f"--node-timeout={self.node_timeout}", *self.run_args,
+               *self.per_node_args.get(node, [])]
         if self.job_file is not None:
             cmd.append(f"--job={self.job_file}")
         if self.durable is not None:

@@ -242,3 +242,34 @@ def test_sigterm_persists_the_newest_step(make_job: Callable[..., LocalJob], tmp
         assert steps and steps[-1] >= newest - 1, (r, steps, newest)
     persisted = [e for e in job.events() if e["event"] == "persisted"]
     assert len(persisted) == 2
+
+
+def test_hosted_agents_replicate_and_a_lost_node_resumes_from_its_peer(make_job: Callable[..., LocalJob]) -> None:
+    """``tierckpt run --replicas 1``: no durable tier; node 1 is lost with its memory root, the
+    replacement's rank loads its shards from node 0's replica (tier 'peer')."""
+    from tests.launcher.cluster import free_port
+
+    ports = [free_port(), free_port()]
+    job = make_job(train=["--steps", "60", "--global-mode"], node_timeout=3.0)
+    job.per_node_args = {n: ["--replicas", "1", f"--agent-listen=127.0.0.1:{ports[n]}",
+                             f"--peers=127.0.0.1:{ports[1 - n]}"] for n in (0, 1)}
+    job.start()
+    job.wait_for(lambda: job.last_step(1) >= 8, 90, "rank 1 reaches step 8")
+    job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
+    job.kill_node(1)
+    import shutil
+
+    shutil.rmtree(job.memory[1])
+    Path(job.memory[1]).mkdir()
+    job.wait_for(lambda: any(e["event"] == "fault" and e["reason"] == "LostNode" for e in job.events(0)), 30,
+                 "the survivor notices the lost node")
+    job.start_agent(1)
+    assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
+    gen = max(e["generation"] for e in job.trace(0))
+    resumed = {r: job.resumed(r, gen) for r in RANKS}
+    assert all(v is not None and v["step"] is not None and v["step"] >= 8 for v in resumed.values()), resumed
+    assert resumed[0]["step"] == resumed[1]["step"]
+    assert "peer" in (resumed[0]["tiers"] or []) + (resumed[1]["tiers"] or []), resumed
+    step = resumed[0]["step"]
+    for r in RANKS:
+        assert resumed[r]["digest"] == saved_digests(job, r, gen)[step]

@@ -68,6 +68,7 @@ class TierckptAgent(LocalElasticAgent):
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
         self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
         self._calibrated_reported = False
+        self._node_agent: Any = None
 
     # ---- state kept beside the memory tier (survives a full job restart) ----
     def _state_path(self) -> Path | None:
@@ -301,9 +302,30 @@ class TierckptAgent(LocalElasticAgent):
                 self._liveness.close()
             shutil.rmtree(self._beat_dir, ignore_errors=True)
 
+    def _host_agent(self) -> None:
+        cfg = self.opts.agent
+        if cfg is None:
+            return
+        from tierckpt.errors import StorageError
+        from tierckpt.tiers.peer import local_request
+
+        try:
+            local_request(cfg.memory_dir, {"op": "status"}, timeout=2.0)
+            self.events.emit("warning", generation=self.generation, what="a node agent already serves "
+                             f"{cfg.memory_dir}; not hosting another")
+            return
+        except StorageError:  # no agent answers: host one
+            pass
+        from tierckpt.agent import start_agent
+
+        self._node_agent = start_agent(cfg)
+        self.events.emit("agent", generation=self.generation, address=list(self._node_agent.address),
+                         node_id=self._node_agent.node_id, replicas=cfg.replicas)
+
     def _loop(self) -> RunResult:
         wg = self._worker_group
         spec = wg.spec
+        self._host_agent()
         self._join()
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
@@ -416,6 +438,12 @@ class TierckptAgent(LocalElasticAgent):
         o = self.opts
         if not (o.namespace and o.durable_url):
             return
+        if self._node_agent is not None:  # the node's agent drains: ask it to flush and wait
+            try:
+                self.events.emit("persisted", generation=self.generation, flush=self._node_agent.flush())
+            except Exception as exc:  # the exit goes on; the failure is reported
+                self.events.emit("warning", generation=self.generation, what=f"agent flush failed: {exc}")
+            return
         from tierckpt.config import CheckpointConfig
         from tierckpt.launcher.persist import persist_all
 
@@ -431,6 +459,9 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        if self._node_agent is not None:
+            self._node_agent.close()
+            self._node_agent = None
         self.events.close()
 
 

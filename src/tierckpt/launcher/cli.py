@@ -51,7 +51,32 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--node-timeout", type=float, default=10.0, help="an agent silent this long is a lost node")
     g.add_argument("--stop-grace", type=float, default=0.0,
                    help="SIGTERM grace (s) before SIGKILL when a fault stops workers (default: SIGKILL at once)")
+    a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given and no "
+                             "agent already serves the memory root)")
+    a.add_argument("--replicas", type=int, help="peer copies of this node's newest memory step (tierckpt agent)")
+    a.add_argument("--peers", help="the other nodes' agents, host:port,host:port")
+    a.add_argument("--agent-listen", default=None, help="HOST:PORT the hosted agent listens on for peers "
+                   "(default 127.0.0.1:0; anything but loopback needs a secret)")
+    a.add_argument("--memory-budget", help="node-wide memory tier budget: 40%% of RAM (20-100%%) or bytes (64G)")
+    a.add_argument("--agent-secret-file", help="the job's secret for peer connections (else $TIERCKPT_AGENT_SECRET)")
     return p
+
+
+def _agent_config(args: Namespace) -> Any:
+    """The hosted node agent's config, or None when no agent option was given."""
+    if args.replicas is None and args.peers is None and args.memory_budget is None:
+        return None
+    from tierckpt.agent.config import AgentConfig, node_ram_bytes, parse_address, parse_budget, read_secret
+
+    if not args.memory_dir:
+        raise TierckptError("--replicas/--peers/--memory-budget need --memory-dir (the node's memory tier)")
+    peers = tuple(parse_address(x) for x in (args.peers or "").split(",") if x.strip())
+    return AgentConfig(memory_dir=args.memory_dir, listen=parse_address(args.agent_listen or "127.0.0.1:0"),
+                       peers=peers, replicas=1 if args.replicas is None else args.replicas,
+                       secret=read_secret(args.agent_secret_file),
+                       budget_bytes=None if args.memory_budget is None else parse_budget(args.memory_budget,
+                                                                                       node_ram_bytes()),
+                       durable_url=args.durable_url)
 
 
 def _options(args: Namespace) -> Any:
@@ -83,7 +108,7 @@ def _options(args: Namespace) -> Any:
         events_path=args.events, metrics_port=args.metrics_port,
         heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s),
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
-        node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace,
+        node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=_agent_config(args),
     )
 
 

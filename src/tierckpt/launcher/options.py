@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierckpt.launcher.escalation import EscalationPolicy
 from tierckpt.launcher.heartbeat import HeartbeatPolicy
@@ -28,6 +29,7 @@ class RunOptions:
     escalation                             restart decisions
     node_timeout_s                         an agent silent this long is a lost node
     stop_grace_s                           SIGTERM grace before SIGKILL when a fault stops workers
+    agent                                  a node agent to host (None: none, or one runs already)
     """
 
     namespace: str | None = None
@@ -41,3 +43,4 @@ class RunOptions:
     node_timeout_s: float = 10.0
     stop_grace_s: float = 0.0
     liveness_interval_s: float = 0.5
+    agent: Any = None  # tierckpt.agent.AgentConfig: host a node agent (replication, budget, flush)
