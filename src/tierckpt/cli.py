@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=40)
     d.add_argument("--workdir", default="demo-output")
     b = sub.add_parser("bench", help="benchmarks against the anchors")
-    b.add_argument("suite", choices=["local", "s3", "replication"],
+    b.add_argument("suite", choices=["local", "s3", "replication", "recovery"],
                    help="local: memory tier against memcpy, torch.save, DCP; replication: agents against a socket copy")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     from tierckpt.agent.cli import add_arguments as add_agent_arguments

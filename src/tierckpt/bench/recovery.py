@@ -1,0 +1,283 @@
+"""``tierckpt bench recovery``: ``tierckpt run`` against plain torchrun on a crash and a hang, same run.
+
+    tierckpt bench recovery [--rounds 3] [--scenarios crash,hang] [--step-time 0.1] [--fault-step 10]
+                            [--hang-cap 30] [--shm-dir /dev/shm] [--logs DIR] [--json PATH]
+
+The same job (``tierckpt.demo.resilient``, a memory-tier checkpoint every step) runs under two
+agents x one worker, gloo on 127.0.0.1 (see ``twonode``), once per launcher and scenario in
+each round, the launcher order alternating between rounds:
+
+crash
+    SIGKILL of the worker under agent 1 once both ranks passed ``--fault-step``; the figure is
+    the time until both ranks traced their first training step after the restore. For
+    ``tierckpt run`` it is broken down by its events and the workers' traces: kill -> fault
+    event (detection), fault -> restart event (stop, barrier, start), restart -> resumed trace
+    (interpreter, import torch, init, load), resumed -> first step. For both launchers, kill ->
+    both new workers in ``main()``: the launcher's share plus the interpreter's start and
+    ``import tierckpt`` (which imports torch), the same work under either launcher.
+hang
+    SIGSTOP of that worker (for ``tierckpt run`` once its ``timeout`` event says the heartbeat
+    timeout is calibrated); the figure is the time until a launcher reports it: the first
+    ``fault`` event of ``tierckpt run``, for torchrun a new worker or an agent exiting. Waits are
+    capped at ``--hang-cap`` seconds ("not detected").
+
+Goals: crash recovery <= 0.5 x torchrun's (medians of this run); hang detection <=
+max(3 x step interval, 10 s). Exit codes: 0 the run finished (verdicts are in the report);
+1 a figure that should exist is missing (a job did not start or recover); 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from tierckpt.bench.twonode import LAUNCHERS, RANKS, JobTimeout, TwoNodeJob
+
+__all__ = ["main"]
+
+SCENARIOS = ("crash", "hang")
+STAGES = ("detect", "restart", "resume", "first_step")
+_STAGE_LABELS = {"detect": "kill -> fault event (detection)", "restart": "fault -> restart event (stop+barrier+start)",
+                 "resume": "restart -> resumed (python+torch+init+load)", "first_step": "resumed -> first step"}
+_START_S, _RECOVER_S = 180.0, 120.0  # generous: the machine may be shared
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tierckpt bench recovery",
+                                description="Crash recovery and hang detection: tierckpt run against torchrun, one run.")
+    p.add_argument("--rounds", type=int, default=3, help="rounds, each running every launcher once (default 3)")
+    p.add_argument("--scenarios", default="crash,hang", help="comma-separated subset of: crash, hang (default both)")
+    p.add_argument("--step-time", type=float, default=0.1, help="seconds per training step (default 0.1)")
+    p.add_argument("--fault-step", type=int, default=10, help="fault once both ranks passed this step (default 10)")
+    p.add_argument("--hang-cap", type=float, default=30.0, help="seconds to wait for a hang to be reported (default 30)")
+    p.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the nodes' memory tiers (removed at exit)")
+    p.add_argument("--logs", metavar="DIR", help="keep the agents' logs, events and traces here (else removed)")
+    p.add_argument("--json", metavar="PATH", help="also write every figure, run and verdict here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    scenarios = tuple(s for s in SCENARIOS if s in {x.strip() for x in args.scenarios.split(",")})
+    unknown = sorted({x.strip() for x in args.scenarios.split(",")} - set(SCENARIOS))
+    if unknown or not scenarios:
+        p.error(f"--scenarios: unknown {', '.join(unknown) or '(empty)'}; choose from {', '.join(SCENARIOS)}")
+    if args.rounds < 1 or args.fault_step < 1 or args.step_time <= 0 or args.hang_cap <= 0:
+        p.error("--rounds and --fault-step must be at least 1; --step-time and --hang-cap must be positive")
+    if not os.path.isdir(args.shm_dir):
+        p.error(f"--shm-dir {args.shm_dir!r} is not a directory; point it at a tmpfs such as /dev/shm")
+    runs: list[dict[str, Any]] = []
+    load_start = os.getloadavg()
+    with _scratch(args.shm_dir, args.logs) as (logs, shm):
+        for rnd in range(args.rounds):
+            order = LAUNCHERS if rnd % 2 == 0 else LAUNCHERS[::-1]
+            for scenario in scenarios:
+                for launcher in order:
+                    job = TwoNodeJob(launcher, logs / f"r{rnd}-{scenario}-{launcher}", shm,
+                                     steps=args.fault_step + int(240 / args.step_time), step_time=args.step_time)
+                    runs.append({"round": rnd, "scenario": scenario, "launcher": launcher,
+                                 **_run_one(job, scenario, args)})
+                    print(_progress(runs[-1]), flush=True)
+    doc = _summarise(runs, args, scenarios)
+    doc.update(argv=list(sys.argv[1:] if argv is None else argv),
+               env={"cpus": os.cpu_count(), "load_average_start": list(load_start),
+                    "load_average_end": list(os.getloadavg()), "python": sys.version.split()[0],
+                    "torch": _torch_version()})
+    print(format_report(doc))
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 1 if doc["failures"] else 0
+
+
+def _run_one(job: TwoNodeJob, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+    try:
+        job.start()
+        job.wait_for(lambda: job.min_step() >= args.fault_step or (job.exited() and "exited"),
+                     _START_S, f"both ranks to reach step {args.fault_step}")
+        if job.exited():
+            raise JobTimeout(f"{job.launcher}: an agent exited before step {args.fault_step}; logs in {job.root}")
+        if scenario == "crash":
+            return _crash(job)
+        return _hang(job, args.hang_cap)
+    except JobTimeout as exc:
+        return {"value_s": None, "error": str(exc)}
+    finally:
+        job.close()
+
+
+def _crash(job: TwoNodeJob) -> dict[str, Any]:
+    rank, pid = job.victim(node=1)
+    old = job.pids()
+    t_kill = time.time()
+    os.kill(pid, signal.SIGKILL)
+    first = job.wait_for(lambda: job.first_after("step", old), _RECOVER_S, "both ranks to train again")
+    resumed = job.first_after("resumed", old) or {}
+    t_first = max(e["time"] for e in first.values())
+    out: dict[str, Any] = {"value_s": t_first - t_kill, "killed_rank": rank,
+                           "resumed_step": {r: resumed[r]["step"] for r in resumed},
+                           "step_before": {r: first[r]["step"] - 1 for r in RANKS}}
+    starts = job.first_after("start", old)
+    if starts:  # the launcher's share and the interpreter's: both new workers are in main()
+        out["worker_start_s"] = max(e["time"] for e in starts.values()) - t_kill
+    if job.launcher == "tierckpt":
+        out["stages_s"] = _stages(job, t_kill, resumed, t_first)
+    return out
+
+
+def _stages(job: TwoNodeJob, t_kill: float, resumed: dict[int, dict[str, Any]], t_first: float) -> dict[str, float]:
+    """Kill -> fault -> restart -> resumed -> first step; the four add up to the recovery time."""
+    fault = min(e["time"] for e in job.events("fault") if e["time"] >= t_kill)
+    restart = max(e["time"] for e in job.events("restart") if e["time"] >= t_kill and e.get("kind") == "process")
+    t_resumed = max(e["time"] for e in resumed.values())
+    return {"detect": fault - t_kill, "restart": restart - fault, "resume": t_resumed - restart,
+            "first_step": t_first - t_resumed}
+
+
+def _hang(job: TwoNodeJob, cap: float) -> dict[str, Any]:
+    if job.launcher == "tierckpt":
+        job.wait_for(lambda: len({e["node"] for e in job.events("timeout")}) == 2, 60,
+                     "both agents to calibrate the heartbeat timeout")
+    rank, pid = job.victim(node=1)
+    old = job.pids()
+    t_stop = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    out: dict[str, Any] = {"stopped_rank": rank, "cap_s": cap}
+    try:
+        if job.launcher == "tierckpt":
+            fault = job.wait_for(lambda: [e for e in job.events("fault") if e["time"] >= t_stop], cap, "a fault event")
+            first = min(fault, key=lambda e: e["time"])
+            timeout = [e["heartbeat_timeout_s"] for e in job.events("timeout")]
+            out.update(value_s=first["time"] - t_stop, reason=first.get("reason"),
+                       heartbeat_timeout_s=max(timeout))
+        else:
+            job.wait_for(lambda: job.exited() or job.first_after("start", old), cap, "torchrun to react")
+            out.update(value_s=time.time() - t_stop, reason="agent exited" if job.exited() else "workers restarted")
+    except JobTimeout:
+        out.update(value_s=None, detected=False)
+    return out
+
+
+def _summarise(runs: list[dict[str, Any]], args: argparse.Namespace, scenarios: tuple[str, ...]) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    for scenario in scenarios:
+        fig: dict[str, Any] = {}
+        for launcher in LAUNCHERS:
+            mine = [r for r in runs if r["scenario"] == scenario and r["launcher"] == launcher]
+            values = [r["value_s"] for r in mine if r["value_s"] is not None]
+            fig[launcher] = {"median_s": statistics.median(values) if values else None, "runs_s": [r["value_s"] for r in mine]}
+            starts = [r["worker_start_s"] for r in mine if "worker_start_s" in r]
+            if starts:
+                fig[launcher]["worker_start_s"] = {"median_s": statistics.median(starts), "runs_s": starts}
+            stages = [r["stages_s"] for r in mine if "stages_s" in r]
+            if stages:
+                fig[launcher]["stages_s"] = {s: {"median_s": statistics.median(x[s] for x in stages),
+                                                 "runs_s": [x[s] for x in stages]} for s in STAGES}
+        tk, tr = fig["tierckpt"]["median_s"], fig["torchrun"]["median_s"]
+        fig["ratio"] = tk / tr if tk is not None and tr else None
+        figures[scenario] = fig
+    hang_goal = max(3 * args.step_time, 10.0)
+    goals = []
+    if "crash" in figures:
+        ratio = figures["crash"]["ratio"]
+        goals.append({"name": "crash recovery <= 0.5 x torchrun", "target": 0.5, "value": ratio,
+                      "pass": None if ratio is None else ratio <= 0.5})
+    if "hang" in figures:
+        med = figures["hang"]["tierckpt"]["median_s"]
+        goals.append({"name": f"hang detection <= max(3 x step, 10 s) = {hang_goal:g} s", "target": hang_goal,
+                      "value": med, "pass": None if med is None else med <= hang_goal})
+    failures = [r for r in runs if r.get("error") or (r["value_s"] is None and (
+        r["scenario"] == "crash" or r["launcher"] == "tierckpt"))]
+    return {"tool": "tierckpt bench (recovery)",
+            "config": {"rounds": args.rounds, "scenarios": list(scenarios), "step_time_s": args.step_time,
+                       "fault_step": args.fault_step, "hang_cap_s": args.hang_cap, "nodes": 2, "workers_per_node": 1},
+            "figures": figures, "goals": goals, "runs": runs, "failures": failures}
+
+
+def _fmt(v: float | None, cap: float | None = None) -> str:
+    if v is None:
+        return f"not detected within {cap:g} s" if cap is not None else "n/a"
+    return f"{v:.2f} s"
+
+
+def _progress(run: dict[str, Any]) -> str:
+    cap = run.get("cap_s")
+    what = _fmt(run["value_s"], cap) if not run.get("error") else f"FAILED: {run['error']}"
+    return f"  round {run['round'] + 1}: {run['scenario']:<5} {run['launcher']:<8} {what}"
+
+
+def format_report(doc: dict[str, Any]) -> str:
+    cfg, figs = doc["config"], doc["figures"]
+    lines = [f"\ntierckpt bench recovery: 2 agents x 1 worker, gloo on 127.0.0.1, step {cfg['step_time_s']:g} s, "
+             f"fault after step {cfg['fault_step']}, {cfg['rounds']} round(s); medians, then each run",
+             f"  {'':<46} {'tierckpt run':>14} {'torchrun':>26}  tierckpt/torchrun"]
+    rows = {"crash": "crash: SIGKILL -> both ranks step again", "hang": "hang: SIGSTOP -> launcher reports it"}
+    for scenario, fig in figs.items():
+        cap = cfg["hang_cap_s"] if scenario == "hang" else None
+        ratio = f"{fig['ratio']:.2f}" if fig["ratio"] is not None else "n/a"
+        lines.append(f"  {rows[scenario]:<46} {_fmt(fig['tierckpt']['median_s']):>14} "
+                     f"{_fmt(fig['torchrun']['median_s'], cap):>26}  {ratio}")
+        each = {k: " ".join("-" if v is None else f"{v:.2f}" for v in fig[k]["runs_s"]) for k in LAUNCHERS}
+        lines.append(f"  {'  runs (s)':<46} {each['tierckpt']:>14} {each['torchrun']:>26}")
+        if "worker_start_s" in fig["tierckpt"] or "worker_start_s" in fig["torchrun"]:
+            ws = [_fmt(fig[k].get("worker_start_s", {}).get("median_s")) for k in LAUNCHERS]
+            lines.append(f"  {'    kill -> both new workers in main()':<46} {ws[0]:>14} {ws[1]:>26}")
+        for stage, st in fig["tierckpt"].get("stages_s", {}).items():
+            lines.append(f"  {'    ' + _STAGE_LABELS[stage]:<46} {_fmt(st['median_s']):>14}")
+    lines.append("goals")
+    for g in doc["goals"]:
+        verdict = "n/a " if g["pass"] is None else ("PASS" if g["pass"] else "MISS")
+        value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+        lines.append(f"  {verdict}  {g['name']}: {value}")
+    for f in doc["failures"]:
+        lines.append(f"  FAILED {f['scenario']} {f['launcher']} round {f['round'] + 1}: {f.get('error', 'no figure')}")
+    return "\n".join(lines)
+
+
+def _torch_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        return version("torch")
+    except Exception:  # noqa: BLE001 - only a label in the report
+        return None
+
+
+@contextlib.contextmanager
+def _scratch(shm_dir: str, logs: str | None) -> Iterator[tuple[Path, Path]]:
+    """(logs, shm): fresh directories, removed on exit, on error and on SIGTERM (``logs`` kept if given)."""
+    shm = Path(tempfile.mkdtemp(prefix=f"tierckpt-recovery-{os.getpid()}-", dir=shm_dir))
+    if logs is not None:
+        Path(logs).mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix="tierckpt-recovery-", dir=logs))
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main else None
+    try:
+        yield log_dir, shm
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(shm, ignore_errors=True)
+        if logs is None:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

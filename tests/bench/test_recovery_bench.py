@@ -1,0 +1,62 @@
+"""``tierckpt bench recovery`` on the crash scenario, one round: every figure exists, nothing is left.
+
+Timings are not judged here (the goals live in the benchmark's report); only that each
+figure is there and positive, the stages add up, and the run cleaned up after itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tierckpt.bench import recovery
+
+
+def _processes_naming(mark: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if mark.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_crash_round(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, logs = tmp_path / "recovery.json", tmp_path / "logs"
+    rc = recovery.main(["--rounds", "1", "--scenarios", "crash", "--shm-dir", str(shm_root),
+                        "--logs", str(logs), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "crash recovery <= 0.5 x torchrun" in printed and "hang" not in printed.split("goals")[1]
+    doc = json.loads(out.read_text())
+    crash = doc["figures"]["crash"]
+    for launcher in ("tierckpt", "torchrun"):
+        assert crash[launcher]["median_s"] > 0 and len(crash[launcher]["runs_s"]) == 1
+        assert crash[launcher]["worker_start_s"]["median_s"] > 0
+    assert crash["ratio"] > 0
+    stages = {k: v["median_s"] for k, v in crash["tierckpt"]["stages_s"].items()}
+    assert set(stages) == set(recovery.STAGES) and all(v > 0 for v in stages.values()), stages
+    assert sum(stages.values()) == pytest.approx(crash["tierckpt"]["median_s"], abs=1e-3)
+    for run in doc["runs"]:  # both ranks resumed the same committed step under either launcher
+        assert len(set(run["resumed_step"].values())) == 1 and None not in run["resumed_step"].values(), run
+    assert doc["failures"] == [] and [g["pass"] is not None for g in doc["goals"]] == [True]
+    assert list(shm_root.iterdir()) == [], "the run left memory tiers behind"
+    assert _processes_naming(str(logs)) == [], "the run left launchers or workers running"
+
+
+def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        recovery.main(["--scenarios", "crash,nope"])
+    assert exc.value.code == 2
+    assert "nope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        recovery.main(["--rounds", "0"])
