@@ -13,12 +13,13 @@ whether or not anyone scrapes it. Exposition is ``prometheus_client``'s (``pip i
 metric families), and ``serve`` runs prometheus_client's HTTP server on a registry of its own
 holding this Registry, plus the process collector (CPU, RSS, open files). Names and labels
 follow the Prometheus conventions (``_total`` counters, base units ``_seconds``/``_bytes``).
-The server binds 127.0.0.1 unless told otherwise.
+The server binds ``$TIERCKPT_METRICS_HOST``, else 127.0.0.1, unless told otherwise.
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -246,7 +247,11 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def serve(registry: Registry | Sequence[Registry], port: int, host: str = "127.0.0.1") -> MetricsServer:
-    """Serve ``registry`` (or several) on ``host:port`` (port 0 picks a free one; see ``.port``)."""
+def serve(registry: Registry | Sequence[Registry], port: int, host: str | None = None) -> MetricsServer:
+    """Serve ``registry`` (or several) on ``host:port`` (port 0 picks a free one; see ``.port``).
+
+    ``host`` defaults to ``$TIERCKPT_METRICS_HOST``, else 127.0.0.1: the launcher, the agent
+    and the library bind alike, and a pod sets 0.0.0.0 once for all three to be scraped.
+    """
     regs = [registry] if isinstance(registry, Registry) else list(registry)
-    return MetricsServer(regs, port, host)
+    return MetricsServer(regs, port, host or os.environ.get("TIERCKPT_METRICS_HOST", "127.0.0.1"))

@@ -128,8 +128,9 @@ def library_metrics() -> LibraryMetrics | None:
     return _METRICS
 
 
-def enable(port: int | None = None, *, host: str = "127.0.0.1") -> LibraryMetrics:
-    """Turn the library's metrics on (idempotent); with ``port``, serve them at ``host:port/metrics``.
+def enable(port: int | None = None, *, host: str | None = None) -> LibraryMetrics:
+    """Turn the library's metrics on (idempotent); with ``port``, serve them at ``host:port/metrics``
+    (``host``: ``$TIERCKPT_METRICS_HOST``, else 127.0.0.1).
 
     Port 0 picks a free port (``tierckpt.metrics.server().port``). A second call with a port
     while one is served keeps the first server.
@@ -140,7 +141,7 @@ def enable(port: int | None = None, *, host: str = "127.0.0.1") -> LibraryMetric
             _METRICS = LibraryMetrics()
         if port is not None and _SERVER is None:
             _SERVER = serve(_METRICS.registry, port, host)
-            _log.info("serving tierckpt metrics on http://%s:%d/metrics", host, _SERVER.port)
+            _log.info("serving tierckpt metrics on http://%s:%d/metrics", _SERVER.host, _SERVER.port)
         return _METRICS
 
 
@@ -174,7 +175,7 @@ def enable_from_env() -> None:
         _log.warning("TIERCKPT_METRICS_PORT=%r is not a port number; metrics stay off", raw)
         return
     try:
-        enable(port, host=os.environ.get("TIERCKPT_METRICS_HOST", "127.0.0.1"))
+        enable(port)
     except (OSError, ConfigError) as exc:
         _log.warning("cannot serve tierckpt metrics on port %d: %s; training goes on without them", port, exc)
 
