@@ -95,14 +95,12 @@ class LibraryMetrics:
     def memory_step(self, namespace: str, step: int) -> None:
         with self._lock:
             self._lag.setdefault(namespace, _Lag()).pending.append((step, time.monotonic()))
-        self._refresh_lag()
 
     def durable_step(self, namespace: str, step: int) -> None:
         with self._lock:
             lag = self._lag.setdefault(namespace, _Lag())
             lag.durable_step = step if lag.durable_step is None else max(lag.durable_step, step)
             lag.pending = [(s, t) for s, t in lag.pending if s > lag.durable_step]
-        self._refresh_lag()
 
     def _refresh_lag(self) -> None:
         now = time.monotonic()
