@@ -219,3 +219,17 @@ def test_launcher_and_agent_metrics_are_served_the_same_way() -> None:
     finally:
         srv.close()
     assert val(samples, "tierckpt_agent_evictions_total", kind="replica") == 1
+
+
+def test_the_bind_address_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TIERCKPT_METRICS_HOST moves every endpoint (library, run, agent) at once; here to 127.0.0.2."""
+    monkeypatch.setenv("TIERCKPT_METRICS_HOST", "127.0.0.2")
+    reg = metrics.Registry()
+    reg.gauge("t_up", "up").set(1)
+    srv = metrics.serve(reg, 0)
+    try:
+        assert srv.host == "127.0.0.2"
+        with urllib.request.urlopen(f"http://127.0.0.2:{srv.port}/metrics", timeout=10) as resp:
+            assert "t_up 1.0" in resp.read().decode()
+    finally:
+        srv.close()
