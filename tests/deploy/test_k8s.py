@@ -103,6 +103,7 @@ def test_jobset_from_the_seed_job(tmp_path: Path) -> None:
     assert a.training_script_args == ["--max_context_width=8192", "--checkpoint_dir=/fsx/checkpoints",
                                       "--resume_from_checkpoint=/fsx/checkpoints"]
     assert (a.durable_url, a.memory_budget, a.replicas) == ("s3://bucket/ckpt", "40%", 1)
+    assert a.peers == ",".join(f"llama3-1-8b-fsdp-node-0-{i}.llama3-1-8b-fsdp:7601" for i in range(4))
     assert a.memory_dir == "/dev/shm/tierckpt" and a.metrics_port == 9400
 
     # the job file from the ConfigMap, the secret from the Secret, the memory tier on the host
@@ -138,6 +139,8 @@ def test_pytorchjob_from_the_seed_job(tmp_path: Path) -> None:
         assert c["command"][:2] == ["/bin/sh", "-c"] and c["command"][2] == RETRY_WRAPPER
         a = run_args(c)
         assert a.rdzv_endpoint == "llama3-1-8b-fsdp-master-0:29400" and a.nnodes == "4"
+        assert a.peers == ("llama3-1-8b-fsdp-master-0:7601,llama3-1-8b-fsdp-worker-0:7601,"
+                           "llama3-1-8b-fsdp-worker-1:7601,llama3-1-8b-fsdp-worker-2:7601")
         vols = {v["name"]: v for v in rs["template"]["spec"]["volumes"]}
         assert vols["tierckpt-secret"]["secret"]["secretName"] == "shared"
 
@@ -158,7 +161,7 @@ def test_daemonset_mode_and_own_memory_mount(tmp_path: Path) -> None:
     a = run_args(pod["containers"][0])
     assert a.nnodes == "4" and a.nproc_per_node == "2" and not a.standalone and a.rdzv_endpoint.endswith(":29400")
     assert a.training_script_args == ["--nnodes", "kept"]  # the script's own arguments are untouched
-    assert a.replicas is None and a.agent_listen is None  # the DaemonSet's agent serves the node
+    assert a.replicas is None and a.agent_listen is None and a.peers is None  # the DaemonSet's agent serves
     vols = {v["name"]: v for v in pod["volumes"]}
     assert vols["tierckpt-memory"]["hostPath"] == {"path": "/dev/shm/tierckpt", "type": "DirectoryOrCreate"}
 

@@ -80,7 +80,7 @@ def test_srun_runs_one_tierckpt_run_per_node(tmp_path: Path) -> None:
         assert a.namespace == "llama" and a.memory_dir == "/dev/shm/tierckpt"
         assert a.durable_url == "s3://b/ckpt" and a.job == "/etc/job.yaml"
         assert a.events == f"{tmp_path}/tierckpt-logs/4242/events-{node}.jsonl"
-        assert a.replicas == 1 and a.agent_listen == "0.0.0.0:7601"
+        assert a.replicas == 1 and a.agent_listen == "0.0.0.0:7601" and a.peers == "gpu-a:7601,gpu-b:7601"
         assert a.training_script == "train.py" and a.training_script_args == ["--lr", "3e-4", "--name", "a b"]
         secrets.add((log / f"secret.{node}").read_text().strip())
     (secret,) = secrets  # one secret, the same on every node

@@ -93,16 +93,18 @@ def secret(spec: RenderSpec) -> dict[str, Any] | None:
             "stringData": {"secret": spec.secret_value}}
 
 
-def _run_command(spec: RenderSpec, endpoint: str) -> list[str]:
+def _run_command(spec: RenderSpec, endpoint: str, peers: list[str]) -> list[str]:
     args = ["--nnodes", str(spec.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", spec.name, "--job", f"{JOB_FILE_DIR}/job.yaml", "--memory-dir", spec.memory_dir,
             "--metrics-port", str(spec.metrics_port)]
     if spec.hosted_agent:
-        args += ["--agent-listen", f"0.0.0.0:{spec.agent_port}", "--agent-secret-file", f"{SECRET_DIR}/secret"]
+        # every pod's stable name; an agent skips itself, and retries peers not up yet
+        args += ["--agent-listen", f"0.0.0.0:{spec.agent_port}", "--agent-secret-file", f"{SECRET_DIR}/secret",
+                 "--peers", ",".join(f"{host}:{spec.agent_port}" for host in peers)]
     return args + spec.run_args
 
 
-def _pod_template(spec: RenderSpec, endpoint: str, *, wrapper: bool) -> dict[str, Any]:
+def _pod_template(spec: RenderSpec, endpoint: str, peers: list[str], *, wrapper: bool) -> dict[str, Any]:
     tmpl = copy.deepcopy(spec.pod_template)
     pod = tmpl.setdefault("spec", {})
     meta = tmpl.setdefault("metadata", {})
@@ -112,7 +114,7 @@ def _pod_template(spec: RenderSpec, endpoint: str, *, wrapper: bool) -> dict[str
                                                "prometheus.io/port": str(spec.metrics_port)})
     pod["restartPolicy"] = "Never"  # podFailurePolicy requires it; restarts are the controller's
     c = pod["containers"][0]
-    args = _run_command(spec, endpoint)
+    args = _run_command(spec, endpoint, peers)
     if wrapper:
         c["command"] = ["/bin/sh", "-c", RETRY_WRAPPER, "tierckpt-run"]
     else:
@@ -147,7 +149,8 @@ def jobset(spec: RenderSpec) -> dict[str, Any]:
     """A JobSet (jobset.x-k8s.io/v1alpha2): one indexed Job of ``nodes`` pods, one per node."""
     rjob = "node"
     endpoint = f"{spec.name}-{rjob}-0-0.{spec.name}:{spec.rdzv_port}"
-    template = _pod_template(spec, endpoint, wrapper=False)
+    peers = [f"{spec.name}-{rjob}-0-{i}.{spec.name}" for i in range(spec.nodes)]  # JobSet's pod hostnames
+    template = _pod_template(spec, endpoint, peers, wrapper=False)
     job_spec = {
         "parallelism": spec.nodes, "completions": spec.nodes, "completionMode": "Indexed", "backoffLimit": 0,
         "podFailurePolicy": {"rules": [
@@ -179,11 +182,13 @@ def jobset(spec: RenderSpec) -> dict[str, Any]:
 def pytorchjob(spec: RenderSpec) -> dict[str, Any]:
     """A Kubeflow PyTorchJob (kubeflow.org/v1): one Master pod and ``nodes - 1`` Worker pods."""
     endpoint = f"{spec.name}-master-0:{spec.rdzv_port}"
+    # the operator's per-pod headless Services
+    peers = [f"{spec.name}-master-0"] + [f"{spec.name}-worker-{i}" for i in range(spec.nodes - 1)]
     replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "ExitCode",
-                                           "template": _pod_template(spec, endpoint, wrapper=True)}}
+                                           "template": _pod_template(spec, endpoint, peers, wrapper=True)}}
     if spec.nodes > 1:
         replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "ExitCode",
-                              "template": _pod_template(spec, endpoint, wrapper=True)}
+                              "template": _pod_template(spec, endpoint, peers, wrapper=True)}
     for r in replicas.values():  # the operator requires its container name
         r["template"]["spec"]["containers"][0]["name"] = "pytorch"
     return {
