@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt import layout, localmode, monitor
+from tierckpt import layout, localmode, metrics, monitor
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
@@ -150,6 +150,7 @@ class Checkpointer:
                 except TierckptError as exc:
                     self.log.warning(None, "could not clean the durable tier: %s", exc)
         self.last_load: dict[str, Any] = {}
+        metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: serve the library's metrics
 
     # -- context ----------------------------------------------------------------------
     def __enter__(self) -> Checkpointer:
@@ -190,6 +191,7 @@ class Checkpointer:
         self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",
                       snap.nbytes, throughput(snap.nbytes, blocking))
         handle = SaveHandle(step, go_durable, blocking)
+        metrics.save_staged(self, handle, snap.nbytes)
         self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         return handle
@@ -223,9 +225,11 @@ class Checkpointer:
             if writer._snapshot is not None:  # failed before write_data took the slot
                 self.runtime.stager.release(snap)
             self.log.warning(step, "save failed: %s", exc)
+            metrics.save_failed(self, handle)
             handle._memory.set_exception(exc)
             handle._future.set_exception(exc)
             return
+        metrics.memory_committed(self, handle)
         handle._memory.set_result(None)
         if not go_durable:
             handle._future.set_result(None)
@@ -311,11 +315,13 @@ class Checkpointer:
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._drain_group, 0), group=self._drain_group)
             failed = box[0]
         if failed:
+            metrics.durable_failed(self, step)
             self.log.warning(step, "durable copy failed: %s", "; ".join(failed))
             raise DurableWriteError(
                 f"durable copy of step {step} failed (its memory copy is intact): " + "; ".join(failed),
                 tier="durable", step=step,
             )
+        metrics.durable_committed(self, step, nbytes, time.perf_counter() - t0)
         self.log.info(step, "Durable write completed in %s (%s)", throughput(nbytes, time.perf_counter() - t0),
                       durable.location(step))
 
@@ -370,6 +376,7 @@ class Checkpointer:
                 "tiers": sorted(set(reader.tiers_used.values())),
                 "skipped": failures + [tuple(s) for s in reader.skipped],  # (step, reason) pairs
             }
+            metrics.loaded(self)
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
 
@@ -398,6 +405,7 @@ class Checkpointer:
                                   "tiers": sorted(set(reader.tiers_used.values())),
                                   "skipped": [(s, "failed to load on some rank") for s in sorted(excluded)]}
                 localmode.write_back(state_dict, local_sd)
+                metrics.loaded(self)
                 return chosen
             if step is not None or isinstance(error, (StateDictMismatchError,)):
                 raise error if error is not None else IntegrityError(f"step {chosen} failed to load on another rank", step=chosen)

@@ -40,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     from tierckpt.agent.cli import add_arguments as add_agent_arguments
 
     add_agent_arguments(sub.add_parser("agent", help="the node agent: serve, status, flush"))
+    from tierckpt.deploy.k8s import add_arguments as add_k8s_arguments
+    add_k8s_arguments(sub.add_parser("k8s", help="Kubernetes: render a HyperPodPyTorchJob as JobSet/PyTorchJob manifests"))
     return p
 
 
@@ -59,6 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tierckpt.agent.cli import main as agent_main
 
             return agent_main(args)
+        if args.command == "k8s":
+            from tierckpt.deploy.k8s import main as k8s_main
+            return k8s_main(args)
         if args.command == "bench":
             import importlib
 

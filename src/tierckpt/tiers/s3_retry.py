@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from tierckpt import metrics
 from tierckpt.errors import CheckpointNotFoundError, StorageError, TierckptError
 from tierckpt.observability import get_logger
 
@@ -121,6 +122,7 @@ class Retrier:
                     "S3 %s of %s failed (%s); try %d of %d in %.2fs",
                     what, self.url(key), _describe(exc), attempt + 1, self.max_attempts, wait,
                 )
+                metrics.durable_retry(what)
                 self.sleep(wait)
 
     def url(self, key: str) -> str:

@@ -1,0 +1,115 @@
+"""deploy/slurm/tierckpt.sbatch run with a fake Slurm environment: its srun and tierckpt run lines.
+
+Slurm cannot run here, so ``srun`` and ``scontrol`` are stand-ins on PATH (said here, as the
+project's rules ask): the fake srun starts its command once per node with that node's
+SLURM_NODEID, as srun --ntasks-per-node=1 would, and returns the highest exit code; the fake
+scontrol expands the node list and records requeues. The batch script itself runs for real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tierckpt.launcher.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+SBATCH = ROOT / "deploy" / "slurm" / "tierckpt.sbatch"
+
+FAKE_SRUN = """#!/bin/bash
+echo "$*" > "$FAKE_LOG/srun.argv"
+while [[ "$1" == -* ]]; do shift; done
+worst=0
+for ((i = 0; i < SLURM_JOB_NUM_NODES; i++)); do
+  SLURM_NODEID=$i "$@"; rc=$?
+  (( rc > worst )) && worst=$rc
+done
+exit $worst
+"""
+FAKE_SCONTROL = """#!/bin/bash
+case "$1 $2" in
+  "show hostnames") echo gpu-a; echo gpu-b ;;
+  requeue*) echo "$2" >> "$FAKE_LOG/requeued" ;;
+  *) exit 9 ;;
+esac
+"""
+FAKE_TIERCKPT = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_LOG/tierckpt.$SLURM_NODEID"
+echo "$TIERCKPT_AGENT_SECRET" > "$FAKE_LOG/secret.$SLURM_NODEID"
+exit "$FAKE_RC"
+"""
+
+
+def run_sbatch(tmp_path: Path, rc: int, **env: str) -> tuple[int, Path, str]:
+    bindir, log = tmp_path / "bin", tmp_path / "log"
+    bindir.mkdir()
+    log.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("tierckpt", FAKE_TIERCKPT)):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TIERCKPT_"))}
+    base.update(PATH=f"{bindir}:{os.environ['PATH']}", FAKE_LOG=str(log), FAKE_RC=str(rc),
+                SLURM_JOB_ID="4242", SLURM_JOB_NAME="llama", SLURM_JOB_NUM_NODES="2",
+                SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(tmp_path))
+    base.update(env)
+    proc = subprocess.run(["bash", str(SBATCH), "train.py", "--lr", "3e-4", "--name", "a b"], env=base,
+                          capture_output=True, text=True, timeout=60)
+    return proc.returncode, log, proc.stdout + proc.stderr
+
+
+def test_the_script_asks_slurm_for_requeue_and_a_pre_timeout_signal() -> None:
+    directives = [line.split(None, 1)[1] for line in SBATCH.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert "--requeue" in directives and "--ntasks-per-node=1" in directives
+    assert "--signal=TERM@120" in directives
+
+
+def test_srun_runs_one_tierckpt_run_per_node(tmp_path: Path) -> None:
+    rc, log, out = run_sbatch(tmp_path, 0, TIERCKPT_DURABLE_URL="s3://b/ckpt", TIERCKPT_JOB_FILE="/etc/job.yaml")
+    assert rc == 0, out
+    assert "--ntasks-per-node=1" in (log / "srun.argv").read_text().split()
+    secrets = set()
+    for node in (0, 1):
+        argv = (log / f"tierckpt.{node}").read_text().splitlines()
+        assert argv[0] == "run"
+        a = build_parser().parse_args(argv[1:])  # the launcher's own (torchrun's) parser
+        assert (a.nnodes, a.nproc_per_node, a.rdzv_backend) == ("2", "8", "c10d")
+        assert a.rdzv_endpoint == "gpu-a:29400" and a.rdzv_id == "4242"
+        assert a.namespace == "llama" and a.memory_dir == "/dev/shm/tierckpt"
+        assert a.durable_url == "s3://b/ckpt" and a.job == "/etc/job.yaml"
+        assert a.events == f"{tmp_path}/tierckpt-logs/4242/events-{node}.jsonl"
+        assert a.replicas == 1 and a.agent_listen == "0.0.0.0:7601" and a.peers == "gpu-a:7601,gpu-b:7601"
+        assert a.training_script == "train.py" and a.training_script_args == ["--lr", "3e-4", "--name", "a b"]
+        secrets.add((log / f"secret.{node}").read_text().strip())
+    (secret,) = secrets  # one secret, the same on every node
+    assert len(secret) == 64
+    assert not (log / "requeued").exists()
+
+
+def test_exit_75_requeues_the_job(tmp_path: Path) -> None:
+    rc, log, out = run_sbatch(tmp_path, 75)
+    assert rc == 75
+    assert (log / "requeued").read_text().split() == ["4242"]
+    assert "requeueing job 4242" in out
+
+
+@pytest.mark.parametrize("code", [1, 143])
+def test_other_failures_are_not_requeued(tmp_path: Path, code: int) -> None:
+    rc, log, _ = run_sbatch(tmp_path, code)
+    assert rc == code and not (log / "requeued").exists()
+
+
+def test_single_node_without_replication(tmp_path: Path) -> None:
+    rc, log, out = run_sbatch(tmp_path, 0, SLURM_JOB_NUM_NODES="1", NPROC_PER_NODE="4", TIERCKPT_NAMESPACE="ns1")
+    assert rc == 0, out
+    a = build_parser().parse_args((log / "tierckpt.0").read_text().splitlines()[1:])
+    assert a.nnodes == "1" and a.nproc_per_node == "4" and a.namespace == "ns1" and a.replicas is None
+    assert not (log / "tierckpt.1").exists()
+
+
+def test_outside_slurm_it_says_so(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    proc = subprocess.run(["bash", str(SBATCH), "train.py"], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and "run this with sbatch" in proc.stderr
