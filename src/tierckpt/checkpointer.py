@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt import layout, localmode, monitor
+from tierckpt import guard, layout, localmode, monitor
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
@@ -180,10 +180,13 @@ class Checkpointer:
         go_durable = self.policy.should_save(step, durable)
         self._wait_inflight(step)
         t0 = time.perf_counter()
-        if self.local:
-            snap = self.runtime.stager.stage(localmode.localize(state_dict))
-        else:
-            snap = self.runtime.stager.stage(resolve_stateful(state_dict))
+        try:
+            if self.local:
+                snap = self.runtime.stager.stage(guard.saveable(localmode.localize(state_dict), step))
+            else:
+                snap = self.runtime.stager.stage(guard.saveable(resolve_stateful(state_dict), step))
+        except TierckptError as exc:
+            raise guard.typed(exc, step=step) from exc.__cause__
         snap.wait_copied()
         blocking = time.perf_counter() - t0
         monitor.beat()  # a long save is progress, not a hang (tierckpt run)
@@ -217,14 +220,15 @@ class Checkpointer:
                         dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
                                  process_group=self._commit_group)
             except CheckpointException as exc:
-                raise _unwrap(exc) from None
+                raise (err := _unwrap(exc)) from err.__cause__
             small = self._commit_other_nodes(writer)
-        except BaseException as exc:
+        except BaseException as raw:
+            failure = guard.typed(raw, step=step)
             if writer._snapshot is not None:  # failed before write_data took the slot
                 self.runtime.stager.release(snap)
-            self.log.warning(step, "save failed: %s", exc)
-            handle._memory.set_exception(exc)
-            handle._future.set_exception(exc)
+            self.log.warning(step, "save failed: %s", failure)
+            handle._memory.set_exception(failure)
+            handle._future.set_exception(failure)
             return
         handle._memory.set_result(None)
         if not go_durable:
@@ -364,7 +368,7 @@ class Checkpointer:
                     excluded.append(reader.step)
                     failures.append((reader.step, f"failed to load: {err}"))
                     continue
-                raise err from None
+                raise err from err.__cause__
             self.last_load = {
                 "step": reader.step, "seconds": time.perf_counter() - t0,
                 "tiers": sorted(set(reader.tiers_used.values())),
@@ -424,7 +428,7 @@ def _unwrap(exc: CheckpointException) -> BaseException:
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, TierckptError):
             return inner
-    return exc
+    return guard.typed(exc)
 
 
 @contextlib.contextmanager

@@ -72,10 +72,12 @@ class SlotPool:
         budget_bytes: int | None,
         evict: Callable[[], bool],
         gc: Callable[[], object],
+        steps_retained: int = 1,
     ) -> None:
         self.dir = ns_dir / layout.SLOTS / f"rank_{rank}"
         self.rank = rank
         self.budget_bytes = budget_bytes
+        self.steps_retained = steps_retained
         self._evict = evict
         self._gc = gc
         self._slots: dict[str, Slot] = {}
@@ -88,6 +90,16 @@ class SlotPool:
                 f"one step of rank {self.rank} needs {_mib(nbytes)} of shared memory, but "
                 f"memory_budget_bytes is {_mib(self.budget_bytes)}; raise memory_budget_bytes "
                 f"to at least {nbytes}",
+                tier="memory", rank=self.rank,
+            )
+        if self.budget_bytes is not None and 2 * nbytes > self.budget_bytes:
+            # the newest committed step keeps its slot until this save commits: two slots at least
+            raise MemoryBudgetError(
+                f"a save of rank {self.rank} needs two slots of {_mib(nbytes)} (the step being written "
+                f"and the newest committed step, kept until the new one commits), but memory_budget_bytes "
+                f"is {_mib(self.budget_bytes)}; set memory_budget_bytes to at least {2 * nbytes} "
+                f"({(self.steps_retained + 1) * nbytes} keeps all memory_steps_retained="
+                f"{self.steps_retained} steps without evicting)",
                 tier="memory", rank=self.rank,
             )
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,11 @@ def test_step_from_argument_path_and_checkpoint_id(cfg: CheckpointConfig, shm_ro
 
 
 def test_no_step_is_a_clear_error(cfg: CheckpointConfig) -> None:
-    with pytest.raises(CheckpointException, match="no step for this save"):
+    # checked before DCP's first collective: the caller gets tierckpt's error, not CheckpointException
+    with pytest.raises(tierckpt.ConfigError, match="no step for this save"):
         dcp.save(sd(1), storage_writer=TieredStorageWriter(cfg, path="no-step-here"))
+    with pytest.raises(tierckpt.ConfigError, match="no step for this save"):
+        dcp.async_save(sd(1), storage_writer=TieredStorageWriter(cfg))
     with pytest.raises(tierckpt.TierckptError, match="names no step"):
         TieredStorageWriter(cfg).reset("somewhere/else")
     with pytest.raises(tierckpt.ConfigError):
