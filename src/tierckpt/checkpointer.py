@@ -185,8 +185,8 @@ class Checkpointer:
                 snap = self.runtime.stager.stage(guard.saveable(localmode.localize(state_dict), step))
             else:
                 snap = self.runtime.stager.stage(guard.saveable(resolve_stateful(state_dict), step))
-        except TierckptError as exc:
-            raise guard.typed(exc, step=step) from exc.__cause__
+        except Exception as exc:
+            raise (err := guard.typed(exc, step=step)) from err.__cause__
         snap.wait_copied()
         blocking = time.perf_counter() - t0
         monitor.beat()  # a long save is progress, not a hang (tierckpt run)

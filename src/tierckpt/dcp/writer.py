@@ -195,8 +195,8 @@ class TieredStorageWriter(StorageWriter):
         step = self.step  # dcp.async_save stages first: fail before the copy if there is no step
         try:
             snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
-        except TierckptError as exc:
-            raise guard.typed(exc, step=step) from exc.__cause__
+        except Exception as exc:
+            raise (err := guard.typed(exc, step=step)) from err.__cause__
         snap.wait_copied()
         self._snapshot = snap
         return snap.state_dict
