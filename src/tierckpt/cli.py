@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     from tierckpt.agent.cli import add_arguments as add_agent_arguments
 
     add_agent_arguments(sub.add_parser("agent", help="the node agent: serve, status, flush"))
+    from tierckpt.compat.importer import add_arguments as add_import_arguments
+
+    add_import_arguments(sub.add_parser("import", help="convert SageMaker checkpointing steps on S3 to tierckpt steps"))
     return p
 
 
@@ -59,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from tierckpt.agent.cli import main as agent_main
 
             return agent_main(args)
+        if args.command == "import":
+            from tierckpt.compat.importer import main as import_main
+
+            return import_main(args)
         if args.command == "bench":
             import importlib
 
