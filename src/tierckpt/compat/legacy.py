@@ -170,6 +170,15 @@ def _apply(item: ReadItem, info: SageMakerStorageInfo, blob: bytes, planner: Loa
         raise IntegrityError(f"step {step}: item {item.storage_index.fqn} lies outside rank {info.rank}'s blob", step=step)
     stream = io.BytesIO(blob[info.offset : info.offset + info.length])
     if item.type == LoadItemType.BYTE_IO:
+        # DCP's planner unpickles in full: first prove the object is plain data (weights-only)
+        try:
+            torch.load(io.BytesIO(stream.getbuffer()), weights_only=True)
+        except Exception as exc:
+            raise IntegrityError(
+                f"step {step}: {item.storage_index.fqn!r} holds an object a weights-only load refuses ({exc}); "
+                "tierckpt loads only plain data (numbers, strings, containers, tensors) from SageMaker "
+                "checkpoints; convert trusted ones with 'tierckpt import --trust-objects'", step=step,
+            ) from exc
         planner.load_bytes(item, stream)
         return
     try:
@@ -231,9 +240,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
         try:
-            self.state_dict[fqn] = torch.load(value, weights_only=not self.trust_objects)
+            obj = torch.load(value, weights_only=not self.trust_objects)
         except Exception as exc:
             raise IntegrityError(
                 f"{fqn!r} holds an object that a weights-only load refuses ({exc}); convert with "
                 "--trust-objects only if the checkpoint comes from a trusted source"
             ) from exc
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = obj
+            return
+        # as DCP's planner: the value goes into the caller's (nested) state dict at its key path
+        *parents, last = self.mappings[fqn]
+        node: Any = self.original_state_dict
+        for key in parents:
+            node = node[key]
+        node[last] = obj
