@@ -284,6 +284,7 @@ class Checkpointer:
         rt, durable = self.runtime, self.runtime.durable
         assert durable is not None
         error: str | None = None
+        cause: BaseException | None = None  # this rank's own failure, chained to what the handle raises
         t0 = time.perf_counter()
         nbytes = 0  # this rank's share
         try:
@@ -293,7 +294,7 @@ class Checkpointer:
                 nbytes += os.path.getsize(pin)
                 durable.put_file(step, pd.save_id, name, Path(pin))
         except Exception as exc:  # reported to every rank below, then raised on the handle
-            error = f"rank {self.rank}: {exc}"
+            error, cause = f"rank {self.rank}: {exc}", exc
         finally:
             for _, pin in pins:
                 if pin:
@@ -309,7 +310,7 @@ class Checkpointer:
                 durable.commit(step, pd.save_id, {layout.METADATA: small[0], layout.MANIFEST: small[1]})
                 rt.apply_retention(durable, rt.durable_retention)
             except Exception as exc:
-                failed = [f"commit: {exc}"]
+                failed, cause = [f"commit: {exc}"], exc
         if self._drain_group is not None:
             box = [failed]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._drain_group, 0), group=self._drain_group)
@@ -319,7 +320,7 @@ class Checkpointer:
             raise DurableWriteError(
                 f"durable copy of step {step} failed (its memory copy is intact): " + "; ".join(failed),
                 tier="durable", step=step,
-            )
+            ) from cause
         self.log.info(step, "Durable write completed in %s (%s)", throughput(nbytes, time.perf_counter() - t0),
                       durable.location(step))
 

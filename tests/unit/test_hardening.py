@@ -221,3 +221,20 @@ def test_writer_without_a_step_fails_before_collectives_in_a_process_group(
 ) -> None:
     with pytest.raises(tierckpt.ConfigError, match="no step for this save"):
         dcp.save(state(1), storage_writer=tierckpt.TieredStorageWriter(cfg))
+
+
+# -- background failures keep their cause -----------------------------------------------------------
+def test_durable_failures_keep_their_cause(shm_root: Path, durable_dir: Path) -> None:
+    (durable_dir / "hard").write_text("a file where the namespace directory should be")
+    cfg = CheckpointConfig(namespace="hard", memory_dir=str(shm_root), durable_url=f"file://{durable_dir}")
+    with Checkpointer(cfg) as ck:  # the background drain
+        with pytest.raises(tierckpt.DurableWriteError) as info:
+            ck.save(1, state(1)).result(timeout=60)
+        assert isinstance(info.value.__cause__, OSError), info.value.__cause__
+        with pytest.raises(tierckpt.DurableWriteError):
+            ck.wait()
+    writer = tierckpt.TieredStorageWriter(cfg.replace(namespace="hard"), step=2, durable=True)
+    with pytest.raises(CheckpointException) as wrapped:  # plain dcp.save: the writer's finish
+        dcp.save(state(2), storage_writer=writer)
+    (failure,) = [f[0] if isinstance(f, tuple) else f for f in wrapped.value.failures.values()]
+    assert isinstance(failure, tierckpt.DurableWriteError) and isinstance(failure.__cause__, OSError)
