@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint import async_save, load, save
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierckpt import ConfigError, IntegrityError, TierckptError
+from tierckpt import CheckpointNotFoundError, ConfigError, IntegrityError, TierckptError
 from tierckpt.compat.sagemaker import (
     DefaultS3PathStrategy,
     RayS3PathStrategy,
@@ -101,8 +101,11 @@ def test_readme_training_loop_then_load_latest_and_a_specific_step(
         load(state_dict, storage_reader=reader)
         assert_state(state_dict, 40)
         assert set(reader.tiers_used.values()) == {"durable"}
-        with pytest.raises(BaseException, match="step 30 .* does not exist"):  # not in S3 nor new memory
-            load(blank(), storage_reader=SageMakerTieredStorageReader(checkpoint_config=checkpoint_config, step=30))
+        reader = SageMakerTieredStorageReader(checkpoint_config=checkpoint_config, step=30)
+        with pytest.raises(CheckpointException):  # not in S3 nor in the new node's memory
+            load(blank(), storage_reader=reader)
+        assert isinstance(reader.failure, CheckpointNotFoundError) and reader.failure.step == 30
+        assert "step 30" in str(reader.failure) and "does not exist" in str(reader.failure)
     finally:
         shutil.rmtree(new_node, ignore_errors=True)
 
@@ -133,8 +136,10 @@ def test_memory_only_save_and_load_without_s3(memory_dir: str) -> None:
 
 def test_nothing_to_load_is_an_error_not_a_silent_empty_load(memory_dir: str) -> None:
     config = SageMakerCheckpointConfig(namespace="job-none", world_size=1, memory_dir=memory_dir)
-    with pytest.raises(BaseException, match="no checkpoint"):
-        load(blank(), storage_reader=SageMakerTieredStorageReader(config))
+    reader = SageMakerTieredStorageReader(config)
+    with pytest.raises(CheckpointException):
+        load(blank(), storage_reader=reader)
+    assert isinstance(reader.failure, CheckpointNotFoundError) and "no checkpoint" in str(reader.failure)
 
 
 # -- validation, with the seed's messages ------------------------------------------------------

@@ -153,7 +153,7 @@ def detect_default_strategy(base_path: str, logger: logging.Logger | None = None
     """The library's rule: RayS3PathStrategy inside Ray Train, else DefaultS3PathStrategy."""
     log = logger or logging.getLogger(__name__)
     if in_ray_train():
-        log.info("Detected Ray Train context, using RayS3PathStrategy with base_path=%s", base_path)
+        log.debug("Detected Ray Train context, using RayS3PathStrategy with base_path=%s", base_path)
         return RayS3PathStrategy(base_path, logger)
-    log.info("Using DefaultS3PathStrategy with base_path=%s", base_path)
+    log.debug("Using DefaultS3PathStrategy with base_path=%s", base_path)
     return DefaultS3PathStrategy(base_path, logger)
