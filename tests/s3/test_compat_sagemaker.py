@@ -318,13 +318,15 @@ def sagemaker_library_save(state_dict: dict[str, Any], base: str, namespace: str
 
     class LocalTransportWriter(writer_mod.SageMakerTieredStorageWriter):  # type: ignore[misc,name-defined]
         def _initialize_common(self, checkpoint_config: Any, step: int, class_type: str) -> None:
-            self.checkpoint_config, self.rank, self.step = checkpoint_config, 0, step
+            rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+            self.checkpoint_config, self.rank, self.step = checkpoint_config, rank, step
             self.logger = logging.getLogger("sagemaker.reference")
             self.s3_strategy = checkpoint_config.get_s3_strategy()
             self.s3_client, self.client, self.region = BotoStreams(), NoMemoryService(), "us-east-1"
 
     strategy = (ref_paths.RayS3PathStrategy if layout == "ray" else ref_paths.DefaultS3PathStrategy)(base)
-    config = RefConfig(namespace=namespace, world_size=1, s3_path_strategy=strategy, save_to_s3=True)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    config = RefConfig(namespace=namespace, world_size=world, s3_path_strategy=strategy, save_to_s3=True)
     save(state_dict, storage_writer=LocalTransportWriter(config, step=step))
 
 
@@ -435,3 +437,56 @@ def test_tierckpt_import_converts_the_seeds_steps(
     assert "0 step(s) converted" in capsys.readouterr().out
     assert cli_main([*argv, "--step", "99"]) == 3
     assert "step(s) [99] not found" in capsys.readouterr().err
+
+
+def sharded_state(rank: int, step: int) -> dict[str, Any]:
+    """On 2 gloo ranks: a DTensor sharded on dim 0 (one chunk per rank) and replicated values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = model_state(step)
+    mesh = init_device_mesh("cpu", (2,))
+    full["model"]["layer.weight"] = distribute_tensor(full["model"]["layer.weight"], mesh, [Shard(0)])
+    return full
+
+
+def _seed_save_on_rank(rank: int, env: dict[str, str], base: str, step: int, layout: str) -> int:
+    import os
+
+    os.environ.update(env)
+    sagemaker_library_save(sharded_state(rank, step), base, "job-2r", step, layout)
+    return rank
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_a_two_rank_sharded_seed_checkpoint_loads_and_converts(
+    s3_env: dict[str, str], bucket: str, memory_dir: str, tmp_path: Any, shm_factory: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two real gloo ranks save with the seed's writer; one process reads both ranks' blobs back."""
+    from tests.helpers.dist import run_ranks
+    from tierckpt import CheckpointConfig, Checkpointer
+    from tierckpt.cli import main as cli_main
+
+    base = f"s3://{bucket}/old"
+    assert run_ranks(_seed_save_on_rank, 2, dict(s3_env), base, 8, "ray", timeout=150) == [0, 1]
+    keys = s3_keys(bucket, "old/job-2r/step_8/")
+    assert {"old/job-2r/step_8/rank_0/checkpoint.pt", "old/job-2r/step_8/rank_1/checkpoint.pt"} <= set(keys)
+    from tierckpt.compat.legacy import LegacySource
+
+    metadata = LegacySource(RayS3PathStrategy(base), "job-2r").metadata(8)
+    assert metadata is not None
+    weight_ranks = {info.rank for idx, info in metadata.storage_data.items() if idx.fqn == "model.layer.weight"}
+    assert weight_ranks == {0, 1}  # one chunk in each rank's blob
+    config = SageMakerCheckpointConfig(namespace="job-2r", world_size=1, s3_path_strategy=RayS3PathStrategy(base),
+                                       memory_dir=memory_dir)
+    state_dict = blank()
+    load(state_dict, storage_reader=SageMakerTieredStorageReader(config))  # resharded: 2 ranks → 1
+    assert_state(state_dict, 8)
+    dest = tmp_path / "converted"
+    assert cli_main(["import", base, "--source-namespace", "job-2r", "--layout", "ray", "--to", f"file://{dest}"]) == 0
+    assert "step 8: converted" in capsys.readouterr().out
+    with Checkpointer(CheckpointConfig(namespace="job-2r", memory_dir=shm_factory(), durable_url=f"file://{dest}")) as ck:
+        state_dict = blank()
+        assert ck.load(state_dict) == 8
+        assert_state(state_dict, 8)
