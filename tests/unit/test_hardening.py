@@ -61,6 +61,9 @@ def test_unsaveable_value_is_reported_by_save_naming_key_step_and_tier(
         ck.wait()
         assert committed(shm_root) == ["step_1"]  # nothing of step 2 was committed
         ck.save(3, state(3)).result()  # the checkpointer stays usable
+        with pytest.raises(UnsaveableObjectError) as info:  # a list with tensors: DCP flattens it
+            ck.save(4, {"model": {"w": torch.ones(2)}, "buffers": [torch.ones(1), bad]})
+        assert info.value.key == "buffers.1"
     assert committed(shm_root) == ["step_1", "step_3"]
 
 
