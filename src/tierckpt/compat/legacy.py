@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt.compat.sagemaker_paths import DefaultS3PathStrategy, RayS3PathStrategy, S3PathStrategy
+from tierckpt.compat.sagemaker_paths import RayS3PathStrategy, S3PathStrategy
 from tierckpt.config import DurableLocation, S3Settings
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StateDictMismatchError, StorageError
 from tierckpt.record import _MetadataUnpickler
@@ -104,9 +104,9 @@ class LegacySource:
             if isinstance(self.strategy, RayS3PathStrategy):
                 return self.strategy.find_step_ranks(paginator, self.bucket, self.prefix, self.namespace, 0)
             ns = f"{self.prefix}/{self.namespace}/" if self.prefix else f"{self.namespace}/"
-            ranks = sorted({r for r in (DefaultS3PathStrategy("s3://x")._parse(p, "rank")
-                                        for p in self.strategy._children(paginator, self.bucket, ns)) if r is not None})
-            world = max(ranks) + 1 if ranks else 0
+            children = self.strategy._children(paginator, self.bucket, ns)
+            ranks = [r for r in (self.strategy._parse(p, "rank") for p in children) if r is not None]
+            world = max(ranks) + 1 if ranks else 0  # the default layout lists per rank: how many to try
             return self.strategy.find_step_ranks(paginator, self.bucket, self.prefix, self.namespace, world)
         except Exception as exc:  # botocore raises many types; all mean the listing failed
             raise StorageError(f"listing {self.strategy.base_path}/{self.namespace} failed: {exc}", tier="durable") from exc
