@@ -128,6 +128,26 @@ def test_budget_between_one_and_two_steps_fails_at_once_with_a_fix_that_works(cf
         assert ck.load(out) == 4 and torch.equal(out["model"]["w"], state(4)["model"]["w"])
 
 
+def test_two_slot_budget_holds_with_durable_copies_in_flight(shm_root: Path, durable_dir: Path) -> None:
+    """A durable copy pins the slot of the step it reads; the next saves wait for it, not fail."""
+    big = {"w": torch.randn(4096, 1024)}  # 16 MiB: the drain to disk outlasts the next copy
+    cfg = CheckpointConfig(namespace="pinned", memory_dir=str(shm_root), durable_url=f"file://{durable_dir}",
+                           memory_steps_retained=1, durable_every_n_steps=1)
+    with Checkpointer(cfg) as probe:
+        probe.save(0, big).result()
+        nbytes = probe.runtime.pool.held_bytes()
+    with Checkpointer(cfg.replace(namespace="pinned2", memory_budget_bytes=2 * nbytes)) as ck:
+        handles = [ck.save(s, big) for s in range(1, 7)]
+        for h in handles:
+            h.result(timeout=120)
+        assert ck.runtime.pool.held_bytes() <= 2 * nbytes
+        out = {"w": torch.zeros(4096, 1024)}
+        assert ck.load(out) == 6 and torch.equal(out["w"], big["w"])
+    assert sorted(p.parent.name for p in (durable_dir / "pinned2").glob("step_*/COMMITTED")) == [
+        f"step_{s}" for s in range(1, 7)
+    ]
+
+
 # -- private torch names -------------------------------------------------------------------------
 def test_private_torch_names_are_checked_and_the_torch_is_one_we_checked() -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
