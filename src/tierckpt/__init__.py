@@ -14,6 +14,7 @@ from tierckpt.checkpointer import Checkpointer, SaveHandle, StepInfo
 from tierckpt.config import CheckpointConfig, S3Settings
 from tierckpt.dcp import TieredStorageReader, TieredStorageWriter
 from tierckpt.errors import (
+    CheckpointFailedError,
     CheckpointNotFoundError,
     ConfigError,
     DurableWriteError,
@@ -22,12 +23,14 @@ from tierckpt.errors import (
     StateDictMismatchError,
     StorageError,
     TierckptError,
+    UnsaveableObjectError,
 )
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointConfig",
+    "CheckpointFailedError",
     "CheckpointNotFoundError",
     "Checkpointer",
     "ConfigError",
@@ -42,4 +45,5 @@ __all__ = [
     "TierckptError",
     "TieredStorageReader",
     "TieredStorageWriter",
+    "UnsaveableObjectError",
 ]

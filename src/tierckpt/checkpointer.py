@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt import layout, localmode, metrics, monitor
+from tierckpt import guard, layout, localmode, metrics, monitor
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
@@ -181,10 +181,13 @@ class Checkpointer:
         go_durable = self.policy.should_save(step, durable)
         self._wait_inflight(step)
         t0 = time.perf_counter()
-        if self.local:
-            snap = self.runtime.stager.stage(localmode.localize(state_dict))
-        else:
-            snap = self.runtime.stager.stage(resolve_stateful(state_dict))
+        try:
+            if self.local:
+                snap = self.runtime.stager.stage(guard.saveable(localmode.localize(state_dict), step))
+            else:
+                snap = self.runtime.stager.stage(guard.saveable(resolve_stateful(state_dict), step))
+        except Exception as exc:
+            raise (err := guard.typed(exc, step=step)) from err.__cause__
         snap.wait_copied()
         blocking = time.perf_counter() - t0
         monitor.beat()  # a long save is progress, not a hang (tierckpt run)
@@ -219,15 +222,16 @@ class Checkpointer:
                         dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
                                  process_group=self._commit_group)
             except CheckpointException as exc:
-                raise _unwrap(exc) from None
+                raise (err := _unwrap(exc)) from err.__cause__
             small = self._commit_other_nodes(writer)
-        except BaseException as exc:
+        except BaseException as raw:
+            failure = guard.typed(raw, step=step)
             if writer._snapshot is not None:  # failed before write_data took the slot
                 self.runtime.stager.release(snap)
-            self.log.warning(step, "save failed: %s", exc)
+            self.log.warning(step, "save failed: %s", failure)
             metrics.save_failed(self, handle)
-            handle._memory.set_exception(exc)
-            handle._future.set_exception(exc)
+            handle._memory.set_exception(failure)
+            handle._future.set_exception(failure)
             return
         metrics.memory_committed(self, handle)
         handle._memory.set_result(None)
@@ -284,6 +288,7 @@ class Checkpointer:
         rt, durable = self.runtime, self.runtime.durable
         assert durable is not None
         error: str | None = None
+        cause: BaseException | None = None  # this rank's own failure, chained to what the handle raises
         t0 = time.perf_counter()
         nbytes = 0  # this rank's share
         try:
@@ -293,7 +298,7 @@ class Checkpointer:
                 nbytes += os.path.getsize(pin)
                 durable.put_file(step, pd.save_id, name, Path(pin))
         except Exception as exc:  # reported to every rank below, then raised on the handle
-            error = f"rank {self.rank}: {exc}"
+            error, cause = f"rank {self.rank}: {exc}", exc
         finally:
             for _, pin in pins:
                 if pin:
@@ -309,7 +314,7 @@ class Checkpointer:
                 durable.commit(step, pd.save_id, {layout.METADATA: small[0], layout.MANIFEST: small[1]})
                 rt.apply_retention(durable, rt.durable_retention)
             except Exception as exc:
-                failed = [f"commit: {exc}"]
+                failed, cause = [f"commit: {exc}"], exc
         if self._drain_group is not None:
             box = [failed]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self._drain_group, 0), group=self._drain_group)
@@ -320,7 +325,7 @@ class Checkpointer:
             raise DurableWriteError(
                 f"durable copy of step {step} failed (its memory copy is intact): " + "; ".join(failed),
                 tier="durable", step=step,
-            )
+            ) from cause
         metrics.durable_committed(self, step, nbytes, time.perf_counter() - t0)
         self.log.info(step, "Durable write completed in %s (%s)", throughput(nbytes, time.perf_counter() - t0),
                       durable.location(step))
@@ -370,7 +375,7 @@ class Checkpointer:
                     excluded.append(reader.step)
                     failures.append((reader.step, f"failed to load: {err}"))
                     continue
-                raise err from None
+                raise err from err.__cause__
             self.last_load = {
                 "step": reader.step, "seconds": time.perf_counter() - t0,
                 "tiers": sorted(set(reader.tiers_used.values())),
@@ -432,7 +437,7 @@ def _unwrap(exc: CheckpointException) -> BaseException:
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, TierckptError):
             return inner
-    return exc
+    return guard.typed(exc)
 
 
 @contextlib.contextmanager

@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     add_agent_arguments(sub.add_parser("agent", help="the node agent: serve, status, flush"))
     from tierckpt.deploy.k8s import add_arguments as add_k8s_arguments
     add_k8s_arguments(sub.add_parser("k8s", help="Kubernetes: render a HyperPodPyTorchJob as JobSet/PyTorchJob manifests"))
+    from tierckpt.compat.importer import add_arguments as add_import_arguments
+
+    add_import_arguments(sub.add_parser("import", help="convert SageMaker checkpointing steps on S3 to tierckpt steps"))
     return p
 
 
@@ -64,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "k8s":
             from tierckpt.deploy.k8s import main as k8s_main
             return k8s_main(args)
+        if args.command == "import":
+            from tierckpt.compat.importer import main as import_main
+
+            return import_main(args)
         if args.command == "bench":
             import importlib
 

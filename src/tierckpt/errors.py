@@ -7,16 +7,22 @@
     ├── IntegrityError                 a copy failed its checksum and no good copy is left
     ├── StateDictMismatchError (ValueError)
     │                                  the state dict does not match the checkpoint
+    ├── UnsaveableObjectError (TypeError)
+    │                                  a state dict value cannot be serialized (a lock, a lambda)
     ├── MemoryBudgetError (MemoryError)
     │                                  the memory tier cannot hold one step
     ├── StorageError (OSError)         a tier's I/O failed (disk full, permission, network)
     │   └── DurableWriteError          the durable copy of a step failed; memory is intact
-    └── ProtocolError                  peers disagree (world size, save ids) or broke the call order
+    ├── ProtocolError                  peers disagree (world size, save ids) or broke the call order
+    └── CheckpointFailedError          DCP's CheckpointException (a BaseException), made catchable
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "CheckpointFailedError",
     "CheckpointNotFoundError",
     "ConfigError",
     "DurableWriteError",
@@ -26,6 +32,7 @@ __all__ = [
     "StateDictMismatchError",
     "StorageError",
     "TierckptError",
+    "UnsaveableObjectError",
 ]
 
 
@@ -114,3 +121,26 @@ class ProtocolError(TierckptError):
     """Ranks disagree with each other, or an interface was called out of order."""
 
     exit_code = 8
+
+
+class UnsaveableObjectError(TierckptError, TypeError):
+    """A state dict value cannot be serialized; ``key`` names it (dotted, as DCP flattens it)."""
+
+    exit_code = 5
+
+    def __init__(self, message: str, *, key: str | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.key = key
+
+
+class CheckpointFailedError(TierckptError):
+    """A DCP collective failed on some rank with an error that is not tierckpt's own.
+
+    DCP reports such failures as ``CheckpointException``, which derives from ``BaseException``
+    (so ``except Exception`` misses it); this carries it, chained as ``__cause__``, and
+    ``failures`` maps each failed rank to its error.
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, BaseException] | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.failures: dict[int, BaseException] = dict(failures or {})

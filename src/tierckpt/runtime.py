@@ -36,11 +36,15 @@ class RankRuntime:
         self.log = StepLogger("runtime", rank, config.logger)
         self.in_flight: set[str] = set()  # save ids this rank is writing now
         self.published_key: str | None = None  # c10d store key of the last step published to other nodes
+        #: errors that background threads (node commit) hit and that are bugs, not faults:
+        #: raised by this rank's next save instead of being logged and forgotten
+        self.background_errors: list[BaseException] = []
         self.pool = SlotPool(
             self.memory.ns_dir, rank,
             budget_bytes=config.memory_budget_bytes,
             evict=self.evict_oldest,
             gc=lambda: self.memory.gc_staging(keep=set(self.in_flight)),
+            steps_retained=config.memory_steps_retained,
         )
         self.stager = Stager(self.pool)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierckpt-io")

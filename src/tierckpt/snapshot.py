@@ -19,10 +19,10 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierckpt._torch_compat import flatten_state_dict
 from tierckpt.record import ALIGN, TensorRecord, tensor_record
 from tierckpt.staging import Slot, SlotPool
 

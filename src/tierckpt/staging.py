@@ -13,8 +13,10 @@ tier's ``put_file(..., slot.path)`` → ``release(slot)``.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,9 @@ from tierckpt import layout
 from tierckpt.errors import MemoryBudgetError, StorageError
 
 __all__ = ["Slot", "SlotPool"]
+
+RELEASE_WAIT_S = 600.0  # longest a save waits for a durable copy to release a slot under the budget
+_log = logging.getLogger("tierckpt.staging")
 
 
 @dataclass
@@ -72,10 +77,12 @@ class SlotPool:
         budget_bytes: int | None,
         evict: Callable[[], bool],
         gc: Callable[[], object],
+        steps_retained: int = 1,
     ) -> None:
         self.dir = ns_dir / layout.SLOTS / f"rank_{rank}"
         self.rank = rank
         self.budget_bytes = budget_bytes
+        self.steps_retained = steps_retained
         self._evict = evict
         self._gc = gc
         self._slots: dict[str, Slot] = {}
@@ -88,6 +95,16 @@ class SlotPool:
                 f"one step of rank {self.rank} needs {_mib(nbytes)} of shared memory, but "
                 f"memory_budget_bytes is {_mib(self.budget_bytes)}; raise memory_budget_bytes "
                 f"to at least {nbytes}",
+                tier="memory", rank=self.rank,
+            )
+        if self.budget_bytes is not None and 2 * nbytes > self.budget_bytes:
+            # the newest committed step keeps its slot until this save commits: two slots at least
+            raise MemoryBudgetError(
+                f"a save of rank {self.rank} needs two slots of {_mib(nbytes)} (the step being written "
+                f"and the newest committed step, kept until the new one commits), but memory_budget_bytes "
+                f"is {_mib(self.budget_bytes)}; set memory_budget_bytes to at least {2 * nbytes} "
+                f"({(self.steps_retained + 1) * nbytes} keeps all memory_steps_retained="
+                f"{self.steps_retained} steps without evicting)",
                 tier="memory", rank=self.rank,
             )
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -103,16 +120,48 @@ class SlotPool:
             while not self._fits(nbytes) and self._find_free(nbytes) is None and self._evict():
                 pass
         else:
+            slot = self._await_release(nbytes)
+        if slot is None:
             held = sum(s.size for s in self._scan().values())
+            st = os.statvfs(self.dir)
             raise MemoryBudgetError(
                 f"rank {self.rank} needs {_mib(nbytes)} for a new slot but its slots already "
-                f"hold {_mib(held)} of the {_mib(self.budget_bytes or 0)} budget and no older "
-                "step can be evicted; raise memory_budget_bytes or lower memory_steps_retained",
+                f"hold {_mib(held)} (budget {_mib(self.budget_bytes) if self.budget_bytes else 'none'}, "
+                f"{_mib(st.f_bavail * st.f_frsize)} free in {self.dir.parent.parent.parent}) and no "
+                f"older step can be evicted; raise memory_budget_bytes to at least {held + nbytes} "
+                "or free space in the memory tier's file system",
                 tier="memory", rank=self.rank,
             )
         self._resize(slot, nbytes)
         self._reserved.add(slot.path.name)
         return slot
+
+    def _await_release(self, nbytes: int) -> Slot | None:
+        """Wait for a slot that something other than the newest step holds to come free.
+
+        Eviction leaves only the newest committed step in memory, so any other linked slot is
+        a durable copy still reading it (a pin) or a save still committing: both end on their
+        own, and waiting for them is back-pressure, as for a full drain queue. None when no
+        such slot exists (waiting cannot help) or after ``RELEASE_WAIT_S``.
+        """
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        warned = False
+        while time.monotonic() < deadline:
+            busy = [s for name, s in self._scan().items() if name not in self._reserved and s.links() > 1]
+            if len(busy) < 2:
+                return None
+            if not warned:
+                _log.warning("[Rank %d] memory budget full: waiting for a durable copy or a commit to "
+                             "release a slot (%d held)", self.rank, len(busy))
+                warned = True
+            time.sleep(0.005)
+            self._evict()  # a commit that just landed may have made an older step evictable
+            slot = self._find_free(nbytes)
+            if slot is None and self._fits(nbytes):
+                slot = self._new_slot()
+            if slot is not None:
+                return slot
+        return None
 
     def release(self, slot: Slot) -> None:
         """Hand the slot back after it was linked (or after a failed save)."""

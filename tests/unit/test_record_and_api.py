@@ -53,7 +53,8 @@ def test_metadata_round_trip() -> None:
 def test_public_surface_is_frozen() -> None:
     assert tierckpt.__all__ == sorted(tierckpt.__all__)
     assert set(tierckpt.__all__) == {
-        "CheckpointConfig", "CheckpointNotFoundError", "Checkpointer", "ConfigError", "DurableWriteError",
+        "CheckpointConfig", "CheckpointFailedError", "CheckpointNotFoundError", "Checkpointer", "ConfigError",
+        "DurableWriteError", "UnsaveableObjectError",
         "IntegrityError", "MemoryBudgetError", "S3Settings", "SaveHandle", "StateDictMismatchError", "StepInfo",
         "StorageError", "TieredStorageReader", "TieredStorageWriter", "TierckptError",
     }

@@ -13,7 +13,11 @@ Code written for ``amzn_sagemaker_checkpointing`` runs after changing its import
 
 Mapping: the memory tier is node-local shared memory (``memory_dir``) instead of the HyperPod
 memory service; the S3 tier is tierckpt's durable tier at ``<s3_tier_base_path>/<namespace>/
-step_<N>/`` (plain DCP per step). ``save_to_s3`` is read once, when a writer is built, so changing
+step_<N>/`` (plain DCP per step, every rank's files together: the directory the library's
+``RayS3PathStrategy`` names, whichever strategy is configured). Checkpoints the SageMaker
+library itself wrote (its layouts, see ``sagemaker_paths``) load through the reader when the
+namespace has no tierckpt step (or the asked-for step is only there), and ``tierckpt import``
+converts them. ``save_to_s3`` is read once, when a writer is built, so changing
 it for the next step cannot affect a save still in flight. The seed's validation messages are
 kept; its errors derive from ``tierckpt.TierckptError`` as well.
 """
@@ -22,15 +26,29 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
+
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from tierckpt import layout
+from tierckpt.compat.legacy import CHECKPOINT_FILE, LegacySource
+from tierckpt.compat.sagemaker_paths import (
+    DefaultS3PathStrategy,
+    RayS3PathStrategy,
+    S3PathStrategy,
+    detect_default_strategy,
+)
 from tierckpt.config import DEFAULT_MEMORY_DIR, CheckpointConfig, DurableLocation, S3Settings
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
-from tierckpt.errors import ConfigError, StorageError, TierckptError
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, StorageError, TierckptError
 
 __all__ = [
+    "DefaultS3PathStrategy",
+    "RayS3PathStrategy",
+    "S3PathStrategy",
     "SageMakerCheckpointConfig",
     "SageMakerInMemoryTierError",
     "SageMakerS3TierError",
@@ -64,8 +82,11 @@ class SageMakerCheckpointConfig:
     """The seed's config (mutable, like the seed's), plus two tierckpt fields at the end.
 
     ``disk_tier_base_path`` and ``save_to_disk`` are accepted and unused, as in the seed.
-    ``s3_path_strategy`` may be any object with a ``base_path`` (the seed's strategy classes);
-    tierckpt always uses the ``<base>/<namespace>/step_<N>/`` layout.
+    ``s3_path_strategy``: a ``DefaultS3PathStrategy`` / ``RayS3PathStrategy`` (from this module or
+    the seed's), or any object with a ``base_path``; without one, ``s3_tier_base_path`` picks
+    Ray's inside Ray Train, else the default, as the seed does. tierckpt writes its own
+    ``<base>/<namespace>/step_<N>/`` layout with either; the strategy says where to find
+    checkpoints the seed wrote.
     ``memory_dir``: the node-local memory tier; ``s3``: endpoint, credentials, part size and
     retry overrides (None fields come from the standard AWS variables).
     """
@@ -88,22 +109,17 @@ class SageMakerCheckpointConfig:
             )
 
     def get_s3_strategy(self) -> Any:
-        """The explicit strategy, else one for ``s3_tier_base_path``, else None."""
-        if self.s3_path_strategy is not None:
+        """The explicit strategy, else one detected for ``s3_tier_base_path``, else None."""
+        if self.s3_path_strategy:
             return self.s3_path_strategy
         if self.s3_tier_base_path:
-            return S3BasePath(self.s3_tier_base_path)
+            return detect_default_strategy(self.s3_tier_base_path, self.logger)
         return None
 
 
-@dataclass(frozen=True)
-class S3BasePath:
-    """tierckpt's one S3 layout: ``<base_path>/<namespace>/step_<N>/``."""
-
-    base_path: str
-
-    def get_checkpoint_dir(self, namespace: str, step: int) -> str:
-        return f"{self.base_path.rstrip('/')}/{namespace}/{layout.step_dir_name(step)}"
+def tierckpt_step_dir(base_path: str, namespace: str, step: int) -> str:
+    """Where tierckpt puts a step on S3: ``<base_path>/<namespace>/step_<N>``."""
+    return f"{base_path.rstrip('/')}/{namespace}/{layout.step_dir_name(step)}"
 
 
 def _base_path(config: SageMakerCheckpointConfig) -> str | None:
@@ -195,9 +211,18 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
 
     @property
     def s3_checkpoint_dir(self) -> str | None:
-        """Where this step's S3 copy lives, or None without S3."""
-        base = _base_path(self.checkpoint_config)
-        return None if base is None else S3BasePath(base).get_checkpoint_dir(self.config.namespace, self.step)
+        """The S3 directory with every rank's files of this step (e.g. for ``ray.train.report``).
+
+        None without S3. As in the seed, ``DefaultS3PathStrategy`` raises (a NotImplementedError
+        that is also a TierckptError); with any other strategy it is where tierckpt writes the
+        step, ``<base>/<namespace>/step_<N>``, known before the (async) write completes.
+        """
+        strategy = self.checkpoint_config.get_s3_strategy()
+        if strategy is None:
+            return None
+        if isinstance(strategy, DefaultS3PathStrategy) or type(strategy).__name__ == "DefaultS3PathStrategy":
+            DefaultS3PathStrategy(str(strategy.base_path)).get_checkpoint_dir(self.config.namespace, self.step)
+        return tierckpt_step_dir(str(getattr(strategy, "base_path", strategy)), self.config.namespace, self.step)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -209,13 +234,21 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
 
 class SageMakerTieredStorageReader(TieredStorageReader):
     """``SageMakerTieredStorageReader(checkpoint_config, step=None)``: None loads the newest step
-    every rank can load (memory first, then S3); an explicit step loads exactly that step."""
+    every rank can load (memory first, then S3); an explicit step loads exactly that step.
+
+    ``step`` is readable right after construction, as in the seed, and is the loaded step after
+    ``dcp.load``. When tierckpt's tiers hold no step (or not the asked-for one) and S3 is
+    configured, the step is read from what the SageMaker library itself wrote there, in the
+    configured strategy's layout (``tierckpt.compat.legacy``).
+    """
 
     def __init__(self, checkpoint_config: SageMakerCheckpointConfig, step: int | None = None) -> None:
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise SageMakerTieredStorageError(f"Invalid step value, step:{step}. path:")
         super().__init__(to_tierckpt(checkpoint_config), step=step)
         self.checkpoint_config = checkpoint_config
+        self.step = step
+        self._legacy: tuple[LegacySource, int, Metadata] | None = None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
@@ -223,3 +256,50 @@ class SageMakerTieredStorageReader(TieredStorageReader):
 
     def reset(self, checkpoint_id: Any = None) -> None:
         super().reset(None)
+
+    def read_metadata(self) -> Metadata:
+        try:
+            return super().read_metadata()
+        except CheckpointNotFoundError:
+            found = self._find_legacy()
+            if found is None:
+                raise
+        self._legacy, self.step, self.failure = found, found[1], None
+        self._log.info(found[1], "Metadata read from a SageMaker checkpointing step on S3 (%s)",
+                       found[0].strategy.get_s3_uri(self.config.namespace, 0, found[1], "metadata.metadata"))
+        return found[2]
+
+    def _find_legacy(self) -> tuple[LegacySource, int, Metadata] | None:
+        strategy = self.checkpoint_config.get_s3_strategy()
+        if strategy is None:
+            return None
+        if not isinstance(strategy, S3PathStrategy):  # the seed's own strategy classes: same layouts
+            cls = RayS3PathStrategy if type(strategy).__name__ == "RayS3PathStrategy" else DefaultS3PathStrategy
+            strategy = cls(str(strategy.base_path))
+        source = LegacySource(strategy, self.config.namespace, self.config.s3, self.config.logger)
+        newest = source.newest(self.requested)
+        return None if newest is None else (source, newest[0], newest[1])
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._legacy is None:
+            super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """As the seed: a failure (a read before any step is known included) comes through the future."""
+        fut: Future[None] = Future()
+        try:
+            if self._legacy is not None:
+                source, step, metadata = self._legacy
+                source.read_items(step, metadata, list(plan.items), planner)
+                self.tiers_used[CHECKPOINT_FILE] = "s3 (SageMaker layout)"
+                fut.set_result(None)
+                return fut
+            if self.step is None or self._manifest is None:
+                raise SageMakerTieredStorageError(
+                    f"[Rank {self.rank}] Step {self.step}: Step must be set before calling read_data"
+                    " (dcp.load calls read_metadata first)"
+                )
+            return super().read_data(plan, planner)
+        except TierckptError as exc:
+            fut.set_exception(cast(Any, exc))
+        return fut

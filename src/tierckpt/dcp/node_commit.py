@@ -15,16 +15,18 @@ staged files (freeing the slot) and logs why: that node then has no memory copy 
 from __future__ import annotations
 
 import datetime
+import logging
 import threading
 from typing import Any
 
 import torch.distributed as dist
 
 from tierckpt import layout
+from tierckpt.errors import ProtocolError, TierckptError
 from tierckpt.observability import StepLogger
 from tierckpt.runtime import RankRuntime
 
-__all__ = ["await_publication", "publish"]
+__all__ = ["await_publication", "publish", "raise_background_error"]
 
 WAIT_S = 900.0
 
@@ -77,8 +79,35 @@ def await_publication(rt: RankRuntime, step: int, save_id: str, log: StepLogger)
             rt.committed_in_memory(step)
             rt.apply_retention(rt.memory, rt.memory_retention)
             log.info(step, "Committed to this node's memory (%s)", rt.memory.location(step))
-        except Exception as exc:  # the save failed elsewhere, or the job ended: drop the staged copy
-            rt.memory.abort(step, save_id)
+        except (dist.DistError, TierckptError, OSError) as exc:
+            # expected: the save failed elsewhere (no publication in time), the store went away
+            # with the job, or this node's tier failed; the node keeps no memory copy of the step
+            _abort(rt, step, save_id, log)
             log.warning(step, "this node's memory copy was not committed: %s", exc)
+        except BaseException as exc:
+            # a bug, not a fault: drop the staged copy, keep the error for this rank's next save
+            # (which raises it as ProtocolError) and let the thread's excepthook print it
+            _abort(rt, step, save_id, log)
+            rt.background_errors.append(exc)
+            log.log(logging.ERROR, step, "committing this node's memory copy failed unexpectedly: %r", exc)
+            raise
 
     threading.Thread(target=wait_and_commit, name=f"tierckpt-node-commit-{step}", daemon=True).start()
+
+
+def _abort(rt: RankRuntime, step: int, save_id: str, log: StepLogger) -> None:
+    try:
+        rt.memory.abort(step, save_id)
+    except (TierckptError, OSError) as exc:  # garbage collection of staging retries it later
+        log.warning(step, "could not drop the staged copy: %s", exc)
+
+
+def raise_background_error(rt: RankRuntime, step: int) -> None:
+    """Raise (once) a programming error a node-commit thread of this rank hit; call before a save."""
+    if rt.background_errors:
+        exc = rt.background_errors.pop(0)
+        raise ProtocolError(
+            f"a background commit of an earlier step failed with {type(exc).__name__}: {exc} "
+            "(a bug in tierckpt or in code it calls; please report it with the traceback above)",
+            tier="memory", step=step,
+        ) from exc

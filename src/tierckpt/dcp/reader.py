@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -37,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from tierckpt import layout
+from tierckpt._torch_compat import flatten_state_dict
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import Availability, choose_step, gather
 from tierckpt.errors import (

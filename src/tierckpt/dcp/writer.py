@@ -28,13 +28,13 @@ from functools import lru_cache
 from typing import Any, cast
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import layout
+from tierckpt import guard, layout
+from tierckpt._torch_compat import StorageInfo as _StorageInfo
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import node_commit
 from tierckpt.errors import ConfigError, DurableWriteError, ProtocolError, StorageError, TierckptError
@@ -44,7 +44,7 @@ from tierckpt.record import ALIGN, dumps_metadata, tensor_record
 from tierckpt.runtime import RankRuntime, runtime_for
 from tierckpt.snapshot import Snapshot
 from tierckpt.staging import Slot
-from tierckpt.tiers import Source
+from tierckpt.tiers import Source, Tier
 
 __all__ = ["TieredStorageWriter"]
 
@@ -124,17 +124,28 @@ class TieredStorageWriter(StorageWriter):
         self._plan_data: _PlanData | None = None
         self._snapshot: Snapshot | None = None
         self.files_written: list[str] = []
+        self._durable_exc: StorageError | None = None
         self._synchronize_after_execute = False  # stage() returns only once the copy landed
 
     # -- identity -------------------------------------------------------------------
     @property
     def step(self) -> int:
         if self._step is None:
-            raise TierckptError(
-                "no step for this save: pass step=N, a path ending in 'step_N', or "
-                "checkpoint_id='.../step_N' to dcp.save"
+            raise ConfigError(
+                "no step for this save: pass step=N or a path ending in 'step_N' to "
+                "TieredStorageWriter, or checkpoint_id='.../step_N' to dcp.save"
             )
         return self._step
+
+    @property
+    def checkpoint_id(self) -> str:
+        """Where this step goes in the memory tier; raises ConfigError when there is no step.
+
+        ``dcp.save`` reads this attribute before its first collective, so a save without a
+        step fails here, on the caller's thread, with tierckpt's own error (inside the
+        collectives DCP would wrap it in its ``CheckpointException``).
+        """
+        return f"{self.config.memory_dir}/{self.config.namespace}/{layout.step_dir_name(self.step)}"
 
     @property
     def durable(self) -> bool:
@@ -157,7 +168,7 @@ class TieredStorageWriter(StorageWriter):
         if checkpoint_id is not None and self._step is None:
             self._step = layout.step_from_path(checkpoint_id)
             if self._step is None:
-                raise TierckptError(
+                raise ConfigError(
                     f"checkpoint_id {str(checkpoint_id)!r} names no step; end it with 'step_N'"
                 )
         self.save_id = None
@@ -181,7 +192,11 @@ class TieredStorageWriter(StorageWriter):
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into a shared-memory slot; return the state dict DCP will save."""
-        snap = self.runtime.stager.stage(state_dict)
+        step = self.step  # dcp.async_save stages first: fail before the copy if there is no step
+        try:
+            snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
+        except Exception as exc:
+            raise (err := guard.typed(exc, step=step)) from err.__cause__
         snap.wait_copied()
         self._snapshot = snap
         return snap.state_dict
@@ -219,7 +234,7 @@ class TieredStorageWriter(StorageWriter):
         try:
             fut.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP collects the failure from the future
-            fut.set_exception(cast(Any, exc))
+            fut.set_exception(cast(Any, guard.typed(exc, step=self._step, tier="memory")))
         return fut
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
@@ -230,6 +245,7 @@ class TieredStorageWriter(StorageWriter):
             pd = dataclasses.replace(pd, save_id=f"{pd.save_id}-{self._save_seq:x}")
         self._plan_data, self.save_id = pd, pd.save_id
         rt, step, log = self.runtime, self.step, StepLogger("writer", self.rank, self.config.logger)
+        node_commit.raise_background_error(rt, step)
         log.info(step, "Starting checkpoint write (%d items)", len(plan.items))
         with rt.save_lock:
             rt.in_flight.add(pd.save_id)
@@ -260,14 +276,14 @@ class TieredStorageWriter(StorageWriter):
                     rt.memory.put_file(step, pd.save_id, name, source)
             durable_error = None
             if self.durable:
-                durable = rt.durable
-                assert durable is not None
+                durable = _durable_tier(rt, step)
                 try:
                     with log.timed(step, f"Durable write ({durable.location(step)})", snap.nbytes + len(extras)):
                         for name, source in files.items():
                             durable.put_file(step, pd.save_id, name, source)
                 except StorageError as exc:
-                    durable_error = str(exc)
+                    durable_error = f"rank {self.rank}: {exc}"
+                    self._durable_exc = exc  # the coordinator chains its own failure in finish
                     log.warning(step, "durable write failed: %s", exc)
         finally:
             rt.stager.release(snap)
@@ -313,15 +329,14 @@ class TieredStorageWriter(StorageWriter):
         log.info(step, "Committed to memory (%s), metadata %d bytes", rt.memory.location(step), len(md_raw))
         rt.apply_retention(rt.memory, rt.memory_retention)
         if self.durable:
-            durable = rt.durable
-            assert durable is not None
+            durable = _durable_tier(rt, step)
             failed = sorted({i.durable_error for i in infos.values() if i.durable_error})
             if failed:
                 raise DurableWriteError(
                     f"durable copy of step {step} failed on some rank (memory copy is committed): "
                     + "; ".join(failed),
                     tier="durable", step=step,
-                )
+                ) from self._durable_exc  # other ranks' errors arrive as text (DCP gathers results)
             try:
                 durable.commit(step, save_id, small)
             except StorageError as exc:
@@ -346,7 +361,8 @@ def _spans(
     for item in items:
         if item.type != WriteItemType.BYTE_IO:
             td = item.tensor_data
-            assert td is not None
+            if td is None:
+                raise ProtocolError(f"tensor item {item.index.fqn} has no tensor_data in the save plan")
             view = snap.views.get(item.index.fqn)
             if view is not None and tuple(view.shape) == tuple(td.chunk.sizes) and view.dtype == td.properties.dtype:
                 rec = snap.records[item.index.fqn]
@@ -382,6 +398,13 @@ def _checksums(rt: RankRuntime, spans: list[tuple[WriteItem, str, int, int, int]
     finally:
         for v in views.values():  # let the slot's mapping be closed or resized later
             v.release()
+
+
+def _durable_tier(rt: RankRuntime, step: int) -> Tier:
+    durable = rt.durable
+    if durable is None:
+        raise ConfigError("a durable copy was asked for but the config has no durable_url", step=step)
+    return durable
 
 
 def _global_rank() -> int:
