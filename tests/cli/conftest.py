@@ -53,8 +53,9 @@ class Store:
         return f"file://{self.durable_dir}"
 
     def config(self, **changes: Any) -> CheckpointConfig:
-        return CheckpointConfig(namespace=NS, memory_dir=str(self.memory_dir), durable_url=self.durable_url,
-                                durable_every_n_steps=0, **changes)
+        fields: dict[str, Any] = {"namespace": NS, "memory_dir": str(self.memory_dir), "durable_url": self.durable_url,
+                                  "durable_every_n_steps": 0}
+        return CheckpointConfig(**(fields | changes))
 
     def argv(self, *, durable: bool = True) -> list[str]:
         out = ["--namespace", NS, "--memory-dir", str(self.memory_dir)]

@@ -64,20 +64,21 @@ def promote(memory: LocalTier, durable: Tier, step: int, namespace: str) -> int:
             f"step {step}: this node's memory tier lacks {', '.join(missing)} (other nodes' ranks); "
             "promote needs every file on one node: run `tierckpt agent flush` on each node instead", step=step)
     total = sum(manifest.files.values())
-    with Progress(f"promote step {step}", total, unit="B") as bar:
-        for name, size in sorted(manifest.files.items()):
+    pins: dict[str, Path] = {}
+    try:
+        for name in sorted(manifest.files):
             pin = memory.pin(step, name)
             if pin is None:
                 raise CheckpointNotFoundError(f"{name} of step {step} left the memory tier during the copy "
                                               "(retention removed the step); promote a newer step", step=step)
-            try:
-                # the pin is the same inode as the step's file: check it before making it durable
-                verify_items(_map(pin), [r for r in manifest.items if r.file == name], f"{memory.location(step)}/{name}")
-                durable.put_file(step, manifest.save_id, name, pin)
-            finally:
-                memory.unpin(pin)
-            bar.update(size, name)
-        durable.commit(step, manifest.save_id, {layout.METADATA: md_raw, layout.MANIFEST: mf_raw})
+            pins[name] = pin
+        # the pins are the step's own files: check every one before a byte is made durable
+        for name, pin in pins.items():
+            verify_items(_map(pin), [r for r in manifest.items if r.file == name], f"{memory.location(step)}/{name}")
+        _copy(durable, step, manifest.save_id, pins, {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}, total)
+    finally:
+        for pin in pins.values():
+            memory.unpin(pin)
     report = verify_copy(durable, step, namespace)
     if not report.ok:
         raise IntegrityError(f"step {step}: the durable copy at {report.location} fails verification after the copy: "
@@ -85,6 +86,21 @@ def promote(memory: LocalTier, durable: Tier, step: int, namespace: str) -> int:
     return total
 
 
+
+
+def _copy(durable: Tier, step: int, save_id: str, pins: dict[str, Path], small: dict[str, bytes], total: int) -> None:
+    """The drain's two calls: ``put_file`` per data file, then ``commit`` (the marker last)."""
+    try:
+        with Progress(f"promote step {step}", total, unit="B") as bar:
+            for name, pin in pins.items():
+                durable.put_file(step, save_id, name, pin)
+                bar.update(pin.stat().st_size, name)
+            durable.commit(step, save_id, small)
+    except BaseException:
+        abort = getattr(durable, "abort", None)  # a directory tier drops its staging; S3 leftovers are gc's
+        if abort is not None:
+            abort(step, save_id)
+        raise
 
 
 def _map(path: Path) -> memoryview:
