@@ -250,7 +250,7 @@ def _abort_upload(tier: Any, key: str, upload_id: str) -> None:
 
 
 def _remove_s3_step(tier: Any, step: int, names: list[str]) -> None:
-    listed = {n for n in tier.list_steps(include_uncommitted=True) if n.step == step}
+    listed = [s for s in tier.list_steps(include_uncommitted=True) if s.step == step]
     if any(layout.MARKER in s.files for s in listed):
         return  # committed since the scan: not gc's any more
     tier._delete_keys([tier.key(step, n) for n in names])
