@@ -93,6 +93,30 @@ def _add_globals(p: argparse.ArgumentParser, *, top_level: bool) -> None:
                    help="progress of long operations on stderr: a bar on a terminal, lines otherwise (auto)")
 
 
+def _hand_globals_to_wing(args: argparse.Namespace, argv: list[str]) -> None:
+    """A wing with its own ``--memory-dir`` (agent) gets the value given before the command too.
+
+    argparse lets the subcommand's default overwrite a top-level value of the same name; a
+    value the user typed after the command still wins.
+    """
+    module = sys.modules.get(args._module)
+    if module is None or getattr(module, "STORAGE", False):
+        return
+    from tierckpt.commands.context import add_storage_options
+
+    pre = argparse.ArgumentParser(add_help=False)
+    add_storage_options(pre, top_level=True)
+    pre.add_argument("--progress")
+    pre.add_argument("command")
+    pre.add_argument("rest", nargs=argparse.REMAINDER)
+    before, _ = pre.parse_known_args(argv)
+    for name in ("namespace", "memory_dir", "durable_url"):
+        flag = "--" + name.replace("_", "-")
+        given_after = any(t == flag or t.startswith(flag + "=") for t in before.rest)
+        if getattr(before, name) is not None and hasattr(args, name) and not given_after:
+            setattr(args, name, getattr(before, name))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # torchrun's own parser takes the rest
@@ -100,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_main(argv[1:])
     args = _parser().parse_args(argv)
+    _hand_globals_to_wing(args, argv)
     from tierckpt.commands import progress
 
     progress.MODE = args.progress

@@ -91,3 +91,11 @@ def test_a_bad_step_is_a_usage_error(cli) -> None:  # type: ignore[no-untyped-de
     with pytest.raises(SystemExit) as exc:
         cli("show", "-3")
     assert exc.value.code == 2
+
+
+def test_memory_dir_before_the_agent_command_reaches_the_agent(shm_root, cli) -> None:  # type: ignore[no-untyped-def]
+    """No agent serves this fresh root, so status fails naming it: proof of which root was asked."""
+    before = cli("--memory-dir", str(shm_root), "agent", "status")
+    after = cli("agent", "status", "--memory-dir", str(shm_root))
+    assert before.rc == after.rc == 7  # StorageError: nothing listens there
+    assert str(shm_root) in before.err and before.err == after.err

@@ -52,7 +52,7 @@ def _keys(s3_client: Any, bucket: str, prefix: str) -> list[str]:
     return sorted(o["Key"] for o in s3_client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", ()))
 
 
-def test_promote_to_s3_marker_last_verified_and_loadable_alone(  # type: ignore[no-untyped-def]
+def test_promote_to_s3_commits_verifies_and_loads_alone(  # type: ignore[no-untyped-def]
     config, argv, cli, s3_client, bucket, empty_memory
 ) -> None:
     with Checkpointer(config) as ck:

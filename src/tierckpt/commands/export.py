@@ -77,7 +77,8 @@ def main(args: argparse.Namespace) -> int:
     files = _write(tensors, out, args.max_shard_size)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     print(f"exported step {args.step} of {config.namespace!r} (metadata from the {source} tier): "
-          f"{len(tensors)} tensor(s), {human(total)} in {len(files)} file(s) under {out}")
+          f"{len(tensors)} tensor(s), {human(total)} in {sum(f.endswith('.safetensors') for f in files)} file(s) "
+          f"under {out}")
     for name in files:
         print(f"  {name}")
     if skipped:

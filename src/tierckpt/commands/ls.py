@@ -38,14 +38,14 @@ def main(args: argparse.Namespace) -> int:
             if not any(config.namespace in names for names in found.values()):
                 existing = sorted({ns for names in found.values() for ns in names})
                 raise CheckpointNotFoundError(
-                    f"namespace {config.namespace!r} does not exist in "
-                    + " or ".join(t.location() for t in tiers)
+                    f"namespace {config.namespace!r} does not exist (looked for "
+                    + " and ".join(t.location() for t in tiers) + ")"
                     + ("; namespaces that exist: " + ", ".join(existing) if existing else "; no namespace exists there")
                 )
         bad = _verify_all(config.namespace, listings) if args.verify else {}
         print(f"namespace {config.namespace}")
         check = "  check" if args.verify else ""
-        print(f"{'tier':<8} {'step':>8} {'state':<10} {'files':>5} {'size':>12}{check}  location")
+        print(f"{'tier':<8} {'step':>8} {'state':<10} {'data':>5} {'size':>12}{check}  location")
         for tier, steps in listings:
             if not steps:
                 print(f"{tier.name:<8} {'-':>8} {'(empty)':<10} {'':>5} {'':>12}{'       ' if check else ''}  {tier.location()}")

@@ -49,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
             raise IntegrityError(f"step {args.step}: no copy has a readable manifest and metadata ({'; '.join(errors)})",
                                  step=args.step)
         where = [{"tier": t.name, "state": "committed" if s.committed else "partial", "location": t.location(args.step),
-                  "files": len(s.files), "bytes": sum(s.files.values()), "saved_at": saved_at(t, args.step)}
+                  "data_files": sum(1 for n in s.files if n.endswith(".distcp")), "bytes": sum(s.files.values()), "saved_at": saved_at(t, args.step)}
                  for t, s in copies_of(tiers, args.step, committed_only=False)]
     info = describe(metadata)
     info.update(namespace=config.namespace, step=args.step, save_id=manifest.save_id,
@@ -86,7 +86,7 @@ def _print(info: dict[str, Any]) -> None:
     print(f"namespace {info['namespace']}  step {info['step']}  world size {info['world_size']}  save id {info['save_id']}")
     for c in info["copies"]:
         when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(c["saved_at"])) if c["saved_at"] else "-"
-        print(f"  {c['tier']:<8} {c['state']:<10} {c['files']:>3} files {human(c['bytes']):>10}  saved {when}  {c['location']}")
+        print(f"  {c['tier']:<8} {c['state']:<10} {c['data_files']:>3} data files {human(c['bytes']):>10}  saved {when}  {c['location']}")
     tensors, objects = info["tensors"], info["objects"]
     width = max([len(t["name"]) for t in tensors + objects] + [6])
     print(f"{len(tensors)} tensor(s), {human(info['tensor_bytes'])}")
