@@ -238,10 +238,17 @@ def _find_s3(tier: Any, min_age: float) -> list[Finding]:
                              what="listing uploads", key=tier.ns_key)
     for up in page.get("Uploads", ()):
         young = now - up["Initiated"].timestamp() < min_age
-        out.append(Finding(tier.name, "aborted upload", f"s3://{tier.bucket}/{up['Key']}", 0,
+        out.append(Finding(tier.name, "aborted upload", f"s3://{tier.bucket}/{up['Key']}", _parts_size(tier, up),
                            remove=partial(_abort_upload, tier, up["Key"], up["UploadId"]),
                            keep="younger than --min-age: it may still be uploading" if young else ""))
     return out
+
+
+def _parts_size(tier: Any, upload: dict[str, Any]) -> int:
+    """Bytes the upload's parts hold (its first 1000 parts: a label, not an account)."""
+    reply = tier.retrier.call(partial(tier.client.list_parts, Bucket=tier.bucket, Key=upload["Key"],
+                                      UploadId=upload["UploadId"]), what="listing parts", key=upload["Key"])
+    return sum(int(p.get("Size", 0)) for p in reply.get("Parts", ()))
 
 
 def _abort_upload(tier: Any, key: str, upload_id: str) -> None:
