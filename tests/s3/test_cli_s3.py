@@ -116,3 +116,19 @@ def test_ls_of_an_unknown_namespace_names_the_ones_on_s3(config, argv, cli, empt
     listed = cli("ls", "--memory-dir", empty_memory, "--durable-url", config.durable_url, "--namespace", NS)
     assert listed.rc == 0 and re.search(r"^durable\s+1 committed", listed.out, re.M)
     assert Path(empty_memory).exists()
+
+
+def test_export_from_s3_alone_is_bitwise(config, argv, cli, empty_memory, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file
+
+    with Checkpointer(config) as ck:
+        ck.save(8, model_state(8), durable=True).result(60)
+    r = cli("export", "8", "--to", str(tmp_path / "hf"), "--prefix", "model", "--namespace", NS,
+            "--memory-dir", empty_memory, "--durable-url", config.durable_url)
+    assert r.rc == 0, r.err
+    assert "metadata from the durable tier" in r.out
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    want = model_state(8)["model"]
+    assert sorted(got) == sorted(want)
+    for key, tensor in want.items():
+        assert torch.equal(got[key].view(torch.uint8), tensor.view(torch.uint8)), key

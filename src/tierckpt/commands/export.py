@@ -1,21 +1,21 @@
 """``tierckpt export STEP --to DIR``: the full, consolidated model as Hugging Face safetensors.
 
-Each tensor is assembled whole from its saved shards (any world size, any sharding), read
-from the fastest tier holding a verified copy of each data file (every item's checksum is
-checked before a byte is used; a bad copy falls back to the next tier). The writing is DCP's
-own Hugging Face support: ``dcp.save`` with ``HuggingFaceStorageWriter`` and a name → file
-mapping that keeps each file under ``--max-shard-size``. One file is ``model.safetensors``;
-several are ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``, the
-layout ``transformers`` and ``safetensors`` load. Non-tensor objects (step counters, learning
-rates) have no place in safetensors and are listed as left out.
-
-Limit: the exported tensors are held in memory together (DCP's writer takes one state dict),
-so the machine needs RAM for the exported model.
+Each tensor is assembled whole from its saved shards (any world size, any sharding), each
+record read from the fastest tier holding a verified copy (``TensorAssembler``: a bad copy
+falls back to the next tier). The output files are planned first (name order, each under
+``--max-shard-size``) and written one at a time, so only one file's tensors are in memory
+at once. Each file is written by DCP's own Hugging Face support (``dcp.save`` with
+``HuggingFaceStorageWriter``); one file is ``model.safetensors``, several are
+``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``, the layout
+``transformers`` and ``safetensors`` load. Non-tensor objects (step counters, learning rates)
+have no place in safetensors and are listed as left out. The output directory appears only
+when complete (written beside it, then renamed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt import layout
+from tierckpt.commands.assemble import TensorAssembler, tensor_bytes
 from tierckpt.commands.context import config_from, human, read_step, require_copies, step_arg, tiers_of
 from tierckpt.commands.progress import Progress
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
@@ -73,11 +74,14 @@ def main(args: argparse.Namespace) -> int:
         if not wanted:
             raise CheckpointNotFoundError(f"step {args.step} has no tensors" + (f" under {args.prefix!r}" if args.prefix else ""),
                                           step=args.step)
-        tensors = _assemble(copies, manifest, metadata, wanted)
-    files = _write(tensors, out, args.max_shard_size)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+        assembler = TensorAssembler(copies, manifest, metadata)
+        try:
+            files = _export(assembler, wanted, out, args.max_shard_size)
+        finally:
+            assembler.close()
+    total = sum(tensor_bytes(metadata.state_dict_metadata[f]) for f in wanted)
     print(f"exported step {args.step} of {config.namespace!r} (metadata from the {source} tier): "
-          f"{len(tensors)} tensor(s), {human(total)} in {sum(f.endswith('.safetensors') for f in files)} file(s) "
+          f"{len(wanted)} tensor(s), {human(total)} in {sum(f.endswith('.safetensors') for f in files)} file(s) "
           f"under {out}")
     for name in files:
         print(f"  {name}")
@@ -119,114 +123,72 @@ def _select(metadata: Any, prefix: str | None) -> tuple[dict[str, str], list[str
     return wanted, skipped
 
 
-def _assemble(copies: list[Tier], manifest: layout.Manifest, metadata: Any, wanted: dict[str, str]) -> dict[str, Any]:
-    """The wanted tensors, whole, from verified data files (one file at a time, fastest tier first)."""
-    import torch
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    records = manifest.item_index()
-    full: dict[str, torch.Tensor] = {}
-    per_file: dict[str, list[tuple[str, Any, layout.ItemRecord]]] = {}
+def _plan(metadata: Any, wanted: dict[str, str], max_shard: int) -> list[list[str]]:
+    """Saved names per output file, in name order (one layer's tensors share a file), each under ``max_shard``."""
+    files: list[list[str]] = [[]]
+    used = 0
     for fqn in wanted:
-        md = metadata.state_dict_metadata[fqn]
-        full[fqn] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        for i, chunk in enumerate(md.chunks):
-            info = metadata.storage_data[MetadataIndex(fqn, chunk.offsets, i)]
-            rec = records.get((info.relative_path, info.offset))
-            if rec is None or rec.length != info.length:
-                raise IntegrityError(f"{fqn}: chunk at {tuple(chunk.offsets)} is not in the manifest", step=manifest.step)
-            per_file.setdefault(info.relative_path, []).append((fqn, chunk, rec))
-    total = sum(t.numel() * t.element_size() for t in full.values())
-    with Progress(f"export step {manifest.step}", total, unit="B") as bar:
-        for name, items in sorted(per_file.items()):
-            view = _verified_file(copies, manifest, name, [rec for _, _, rec in items])
-            for fqn, chunk, rec in items:
-                _place(full[fqn], chunk, view[rec.offset : rec.offset + rec.length], rec, fqn)
-                bar.update(_nbytes(chunk.sizes, full[fqn].element_size()), fqn)
-    return {wanted[fqn]: t for fqn, t in full.items()}
+        size = tensor_bytes(metadata.state_dict_metadata[fqn])
+        if files[-1] and used + size > max_shard:
+            files.append([])
+            used = 0
+        files[-1].append(fqn)
+        used += size
+    return files
 
 
-def _verified_file(copies: list[Tier], manifest: layout.Manifest, name: str, recs: list[layout.ItemRecord]) -> memoryview:
-    from tierckpt.integrity import fetch_file, verify_items
-
-    errors = []
-    for tier in copies:
-        try:
-            view = fetch_file(tier, manifest.step, name, manifest.files.get(name, -1))
-            verify_items(view, recs, f"{tier.location(manifest.step)}/{name}")
-            return view
-        except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
-            errors.append(f"{tier.name}: {exc}")
-    raise IntegrityError(f"step {manifest.step}: no good copy of {name} ({'; '.join(errors)})", step=manifest.step, path=name)
-
-
-def _place(target: Any, chunk: Any, raw: memoryview, rec: layout.ItemRecord, fqn: str) -> None:
-    import io
-
-    import torch
-
-    sizes = tuple(int(s) for s in chunk.sizes)
-    nbytes = _nbytes(sizes, target.element_size())
-    if rec.data_offset >= 0:
-        if rec.data_offset + nbytes > len(raw):
-            raise IntegrityError(f"{fqn}: record shorter than its tensor")
-        with warnings.catch_warnings():  # read-only mapping: only read from, then copied
-            warnings.filterwarnings("ignore", message="The given buffer is not writable")
-            src = torch.frombuffer(raw, dtype=torch.uint8, count=nbytes, offset=rec.data_offset) if nbytes else \
-                torch.empty(0, dtype=torch.uint8)
-        piece = src.view(target.dtype).view(sizes)
-    else:  # a record tierckpt did not write: a plain torch.save archive of the tensor
-        piece = torch.load(io.BytesIO(bytes(raw)), map_location="cpu", weights_only=True)
-    region = target
-    for dim, (off, length) in enumerate(zip(chunk.offsets, sizes, strict=True)):
-        region = region.narrow(dim, int(off), length)
-    region.copy_(piece.view(sizes))
-
-
-def _nbytes(sizes: Any, itemsize: int) -> int:
-    n = itemsize
-    for s in sizes:
-        n *= int(s)
-    return n
-
-
-def _write(tensors: dict[str, Any], out: Path, max_shard: int) -> list[str]:
-    """DCP's Hugging Face writer into a fresh directory beside ``out``, then moved into place."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
-
-    mapping, index, used = {}, 1, 0
-    for name, t in tensors.items():  # in name order: neighbours (one layer's tensors) share a file
-        size = t.numel() * t.element_size()
-        if used and used + size > max_shard:
-            index, used = index + 1, 0
-        mapping[name], used = index, used + size
+def _export(assembler: TensorAssembler, wanted: dict[str, str], out: Path, max_shard: int) -> list[str]:
+    """Write the files one at a time (only one file's tensors in memory) into a fresh directory, then move it."""
+    metadata = assembler.metadata
+    plan = _plan(metadata, wanted, max_shard)
+    names = ["model.safetensors"] if len(plan) == 1 else [
+        f"model-{i:05d}-of-{len(plan):05d}.safetensors" for i in range(1, len(plan) + 1)]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        try:
-            with warnings.catch_warnings():  # one process on purpose: DCP's note about it is noise here
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), fqn_to_index_mapping=mapping), no_dist=True)
-        except (CheckpointException, OSError, ValueError, RuntimeError) as exc:
-            raise StorageError(f"writing safetensors to {out} failed: {exc}", path=str(out)) from exc
-        files = sorted(p.name for p in tmp.iterdir() if p.name.endswith(".safetensors"))
-        if len(files) == 1:  # one file: the plain name, no index (what transformers writes)
-            os.replace(tmp / files[0], tmp / "model.safetensors")
-            (tmp / _INDEX).unlink(missing_ok=True)
-            files = ["model.safetensors"]
-        else:
-            files.append(_INDEX)
+        weight_map: dict[str, str] = {}
+        total = sum(tensor_bytes(metadata.state_dict_metadata[f]) for f in wanted)
+        with Progress(f"export step {assembler.manifest.step}", total, unit="B") as bar:
+            for fqns, name in zip(plan, names, strict=True):
+                tensors = {}
+                for fqn in fqns:
+                    tensors[wanted[fqn]] = assembler.tensor(fqn)
+                    bar.update(tensor_bytes(metadata.state_dict_metadata[fqn]), fqn)
+                _write_file(tensors, tmp, name)
+                weight_map.update(dict.fromkeys(tensors, name))
+                del tensors
+        if len(plan) > 1:  # transformers' index: total bytes of the tensors, and where each one is
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+            names.append(_INDEX)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700 is for the work in progress only
         if out.exists():
-            out.rmdir()  # checked empty above
+            out.rmdir()  # checked empty before
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return files
+    return names
 
 
+def _write_file(tensors: dict[str, Any], tmp: Path, name: str) -> None:
+    """One safetensors file through DCP's Hugging Face writer (every tensor to its file 1), renamed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    part = tmp / f".{name}.dcp"
+    try:
+        with warnings.catch_warnings():  # one process on purpose: DCP's note about it is noise here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            writer = HuggingFaceStorageWriter(str(part), fqn_to_index_mapping=dict.fromkeys(tensors, 1))
+            save(tensors, storage_writer=writer, no_dist=True)
+    except (CheckpointException, OSError, ValueError, RuntimeError) as exc:
+        raise StorageError(f"writing {name} failed: {exc}", path=str(tmp / name)) from exc
+    written = [p for p in part.iterdir() if p.name.endswith(".safetensors")]
+    if len(written) != 1:
+        raise StorageError(f"DCP's Hugging Face writer left {len(written)} files for {name}, expected 1", path=str(part))
+    os.replace(written[0], tmp / name)
+    shutil.rmtree(part)
