@@ -97,3 +97,13 @@ def test_show_of_a_missing_step_is_exit_3_naming_the_steps_there(store, cli) -> 
     store.save(1, 2)
     r = cli(*store.argv(), "show", "7")
     assert r.rc == 3 and "step 7 of namespace 'run1' is in no tier (committed steps: 1, 2)" in r.err
+
+
+def test_verify_of_a_partial_copy_says_what_is_missing(store, cli) -> None:  # type: ignore[no-untyped-def]
+    store.save(1)
+    torn = store.durable_step(9)
+    torn.mkdir(parents=True)
+    (torn / "__0_0.distcp").write_bytes(b"x" * 64)  # data without manifest or marker: a copy that died
+    r = cli(*store.argv(), "verify", "9")
+    assert r.rc == 4
+    assert re.search(r"^durable\s+step 9: BAD", r.out, re.M) and "does not exist" in r.out
