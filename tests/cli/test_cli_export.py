@@ -135,3 +135,16 @@ def test_export_consolidates_shards_saved_by_two_ranks(store, cli, tmp_path: Pat
     r = cli(*store.argv(), "export", str(STEP), "--to", str(tmp_path / "whole"))
     assert r.rc == 0, r.err
     _assert_bitwise(_load_dir(tmp_path / "whole"), _full())
+
+
+def test_the_export_loads_through_dcps_hugging_face_reader(store, cli, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    store.save(6)
+    out = tmp_path / "hf"
+    assert cli(*store.argv(), "export", "6", "--to", str(out), "--prefix", "model", "--max-shard-size", "1KiB").rc == 0
+    want = model_state(6)["model"]
+    target = {k: torch.zeros_like(v) for k, v in want.items()}
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(out)), no_dist=True)  # one process, no group
+    _assert_bitwise(target, want)

@@ -4,11 +4,13 @@ Each tensor is assembled whole from its saved shards (any world size, any shardi
 record read from the fastest tier holding a verified copy (``TensorAssembler``: a bad copy
 falls back to the next tier). The output files are planned first (name order, each under
 ``--max-shard-size``) and written one at a time, so only one file's tensors are in memory
-at once. Each file is written by DCP's own Hugging Face support (``dcp.save`` with
-``HuggingFaceStorageWriter``); one file is ``model.safetensors``, several are
-``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``, the layout
-``transformers`` and ``safetensors`` load. Non-tensor objects (step counters, learning rates)
-have no place in safetensors and are listed as left out. The output directory appears only
+at once. Each file is written by ``safetensors`` itself: DCP's ``HuggingFaceStorageWriter``
+took 4 x as long for the same 256 MiB (0.73 s against 0.18 s, both fsynced, one run of 5
+rounds on the 2-core dev box) and its output holds nothing a loader needs; the files load
+through DCP's ``HuggingFaceStorageReader`` as well. One file is ``model.safetensors``,
+several are ``model-0000i-of-0000N.safetensors`` with ``model.safetensors.index.json``, the
+layout ``transformers`` and ``safetensors`` load. Non-tensor objects (step counters, learning
+rates) have no place in safetensors and are listed as left out. The output directory appears only
 when complete (written beside it, then renamed).
 """
 
@@ -20,7 +22,6 @@ import os
 import re
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,21 +175,17 @@ def _export(assembler: TensorAssembler, wanted: dict[str, str], out: Path, max_s
 
 
 def _write_file(tensors: dict[str, Any], tmp: Path, name: str) -> None:
-    """One safetensors file through DCP's Hugging Face writer (every tensor to its file 1), renamed."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
-    from torch.distributed.checkpoint.state_dict_saver import save
+    """One safetensors file (``format: pt``, as transformers checks), fsynced."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
 
-    part = tmp / f".{name}.dcp"
+    path = tmp / name
     try:
-        with warnings.catch_warnings():  # one process on purpose: DCP's note about it is noise here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            writer = HuggingFaceStorageWriter(str(part), fqn_to_index_mapping=dict.fromkeys(tensors, 1))
-            save(tensors, storage_writer=writer, no_dist=True)
-    except (CheckpointException, OSError, ValueError, RuntimeError) as exc:
-        raise StorageError(f"writing {name} failed: {exc}", path=str(tmp / name)) from exc
-    written = [p for p in part.iterdir() if p.name.endswith(".safetensors")]
-    if len(written) != 1:
-        raise StorageError(f"DCP's Hugging Face writer left {len(written)} files for {name}, expected 1", path=str(part))
-    os.replace(written[0], tmp / name)
-    shutil.rmtree(part)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise StorageError(f"writing {path} failed: {exc}", path=str(path)) from exc
