@@ -12,6 +12,7 @@ import argparse
 from tierckpt.commands.context import config_from, human, namespaces, tiers_of
 from tierckpt.commands.progress import Progress
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, IntegrityError
+from tierckpt.tiers import StepListing, Tier
 
 __all__ = ["HELP", "add_arguments", "main"]
 
@@ -66,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _verify_all(namespace: str, listings: list) -> dict[tuple[str, int], list[str]]:  # type: ignore[type-arg]
+def _verify_all(namespace: str, listings: list[tuple[Tier, list[StepListing]]]) -> dict[tuple[str, int], list[str]]:
     from tierckpt.integrity import verify_copy
 
     todo = [(tier, s) for tier, steps in listings for s in steps if s.committed]
