@@ -22,7 +22,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 bench: $(STAMP)
-	$(BIN)/tierckpt bench
+	$(BIN)/tierckpt bench local
 
 $(STAMP):
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

@@ -1,51 +1,125 @@
 """The ``tierckpt`` command: argv → config → library call; errors → exit codes.
 
-    tierckpt [--namespace NS] [--memory-dir DIR] [--durable-url URL] ls
-    tierckpt [...] verify STEP
-    tierckpt demo [--steps N] [--workdir DIR]
-    tierckpt run [torchrun arguments] [--job FILE ...] script ...
-    tierckpt bench s3 [...]
-    tierckpt agent serve|status|flush [...]                      the node agent (docs/agent.md)
+    tierckpt [--namespace NS] [--memory-dir DIR] [--durable-url URL] COMMAND ...
+    tierckpt ls [--verify] | verify STEP | show STEP | promote STEP | gc [--yes] | export STEP --to DIR
+    tierckpt demo | bench SUITE | agent serve|status|flush | run [torchrun arguments] script ...
 Settings fall back to TIERCKPT_NAMESPACE, TIERCKPT_MEMORY_DIR, TIERCKPT_DURABLE_URL.
+Every command is a module with ``HELP``, ``add_arguments(parser)`` and ``main(args) -> int``
+(``STORAGE = True`` gives it the storage options); it registers with one line in COMMANDS.
+A ``TierckptError`` leaving a command becomes its ``exit_code`` (the table in ``--help``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from tierckpt.config import CheckpointConfig
-from tierckpt.errors import CheckpointNotFoundError, TierckptError
+from tierckpt import errors
+from tierckpt.errors import TierckptError
 
-__all__ = ["main"]
+__all__ = ["COMMANDS", "main"]
+
+#: command → module; the order is the order of ``tierckpt --help``. Wings add one line each.
+COMMANDS: dict[str, str] = {
+    "ls": "tierckpt.commands.ls",
+    "show": "tierckpt.commands.show",
+    "verify": "tierckpt.commands.verify",
+    "promote": "tierckpt.commands.promote",
+    "export": "tierckpt.commands.export",
+    "gc": "tierckpt.commands.gc",
+    "demo": "tierckpt.commands.demo",
+    "bench": "tierckpt.commands.bench",
+    "agent": "tierckpt.agent.cli",
+    "import": "tierckpt.compat.importer",
+    "k8s": "tierckpt.deploy.k8s",
+}
+_HELP_FALLBACK = {
+    "tierckpt.agent.cli": "the node agent: serve, status, flush (docs/agent.md)",
+    "tierckpt.compat.importer": "convert SageMaker checkpointing steps on S3 to tierckpt steps (docs/compat.md)",
+    "tierckpt.deploy.k8s": "Kubernetes: render a HyperPodPyTorchJob as JobSet/PyTorchJob manifests (docs/deploy.md)",
+}
+_EXIT_CODES = (
+    (0, "success"),
+    (1, "any other tierckpt error"),
+    (2, f"bad arguments or settings ({errors.ConfigError.__name__})"),
+    (3, f"no such step or namespace ({errors.CheckpointNotFoundError.__name__})"),
+    (4, f"a copy fails its checksums ({errors.IntegrityError.__name__}: verify, ls --verify, promote, export)"),
+    (5, f"state dict and checkpoint differ ({errors.StateDictMismatchError.__name__})"),
+    (6, f"the memory budget cannot hold a step ({errors.MemoryBudgetError.__name__})"),
+    (7, f"storage I/O failed ({errors.StorageError.__name__}: disk, permissions, S3)"),
+    (8, f"ranks or peers disagree ({errors.ProtocolError.__name__})"),
+    (130, "interrupted (Ctrl-C)"),
+)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("tierckpt")
+    except PackageNotFoundError:
+        from tierckpt import __version__
+
+        return __version__
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tierckpt", description="Tiered checkpoints for PyTorch: inspect, verify, demo, bench.")
-    p.add_argument("--namespace", help="run namespace (else $TIERCKPT_NAMESPACE)")
-    p.add_argument("--memory-dir", help="memory tier root (else $TIERCKPT_MEMORY_DIR or /dev/shm/tierckpt)")
-    p.add_argument("--durable-url", help="file:///path or s3://bucket/prefix (else $TIERCKPT_DURABLE_URL)")
-    sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("ls", help="steps in every tier: committed or not, files, sizes")
-    v = sub.add_parser("verify", help="check every checksum of a step in every tier")
-    v.add_argument("step", type=int)
-    d = sub.add_parser("demo", help="tierckpt run on 2 nodes x 1 worker: SIGKILL a worker, watch the job recover")
-    d.add_argument("--steps", type=int, default=40)
-    d.add_argument("--workdir", default="demo-output")
-    b = sub.add_parser("bench", help="benchmarks against the anchors")
-    b.add_argument("suite", choices=["local", "s3", "replication", "recovery"],
-                   help="local: memory tier against memcpy, torch.save, DCP; replication: agents against a socket copy")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    from tierckpt.agent.cli import add_arguments as add_agent_arguments
+    from tierckpt.commands.context import add_storage_options
 
-    add_agent_arguments(sub.add_parser("agent", help="the node agent: serve, status, flush"))
-    from tierckpt.deploy.k8s import add_arguments as add_k8s_arguments
-    add_k8s_arguments(sub.add_parser("k8s", help="Kubernetes: render a HyperPodPyTorchJob as JobSet/PyTorchJob manifests"))
-    from tierckpt.compat.importer import add_arguments as add_import_arguments
-
-    add_import_arguments(sub.add_parser("import", help="convert SageMaker checkpointing steps on S3 to tierckpt steps"))
+    epilog = "exit codes:\n" + "\n".join(f"  {code:<4} {text}" for code, text in _EXIT_CODES)
+    epilog += "\n\n`tierckpt COMMAND --help` explains each command; docs/cli.md has examples."
+    p = argparse.ArgumentParser(prog="tierckpt", epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                description="Tiered checkpoints for PyTorch: inspect, verify, promote, export, "
+                                            "clean up; the launcher, the node agent, demo and benchmarks.")
+    p.add_argument("--version", action="version", version=f"tierckpt {_version()}")
+    _add_globals(p, top_level=True)
+    add_storage_options(p, top_level=True)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module_name in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        text = getattr(module, "HELP", _HELP_FALLBACK.get(module_name, ""))
+        c = sub.add_parser(name, help=text, description=text, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(c)
+        if getattr(module, "STORAGE", False):
+            add_storage_options(c, top_level=False)
+            _add_globals(c, top_level=False)
+        c.set_defaults(_module=module_name)
+    sub.add_parser("run", help="the resilient launcher, a torchrun drop-in (`tierckpt run --help`, docs/launcher.md)",
+                   add_help=False)
     return p
+
+
+def _add_globals(p: argparse.ArgumentParser, *, top_level: bool) -> None:
+    default = "auto" if top_level else argparse.SUPPRESS
+    p.add_argument("--progress", choices=["auto", "bar", "plain", "none"], default=default,
+                   help="progress of long operations on stderr: a bar on a terminal, lines otherwise (auto)")
+
+
+def _hand_globals_to_wing(args: argparse.Namespace, argv: list[str]) -> None:
+    """A wing with its own ``--memory-dir`` (agent) gets the value given before the command too.
+
+    argparse lets the subcommand's default overwrite a top-level value of the same name; a
+    value the user typed after the command still wins.
+    """
+    module = sys.modules.get(args._module)
+    if module is None or getattr(module, "STORAGE", False):
+        return
+    from tierckpt.commands.context import add_storage_options
+
+    pre = argparse.ArgumentParser(add_help=False)
+    add_storage_options(pre, top_level=True)
+    pre.add_argument("--progress")
+    pre.add_argument("command")
+    pre.add_argument("rest", nargs=argparse.REMAINDER)
+    before, _ = pre.parse_known_args(argv)
+    for name in ("namespace", "memory_dir", "durable_url"):
+        flag = "--" + name.replace("_", "-")
+        given_after = any(t == flag or t.startswith(flag + "=") for t in before.rest)
+        if getattr(before, name) is not None and hasattr(args, name) and not given_after:
+            setattr(args, name, getattr(before, name))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,83 +129,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_main(argv[1:])
     args = _parser().parse_args(argv)
+    _hand_globals_to_wing(args, argv)
+    from tierckpt.commands import progress
+
+    progress.MODE = args.progress
     try:
-        if args.command == "demo":
-            from tierckpt.demo import run_demo
-
-            return run_demo(steps=args.steps, workdir=args.workdir)
-        if args.command == "agent":
-            from tierckpt.agent.cli import main as agent_main
-
-            return agent_main(args)
-        if args.command == "k8s":
-            from tierckpt.deploy.k8s import main as k8s_main
-            return k8s_main(args)
-        if args.command == "import":
-            from tierckpt.compat.importer import main as import_main
-
-            return import_main(args)
-        if args.command == "bench":
-            import importlib
-
-            bench = importlib.import_module(f"tierckpt.bench.{args.suite}")
-            return int(bench.main(args.rest))
-        config = CheckpointConfig.from_env(
-            namespace=args.namespace, memory_dir=args.memory_dir, durable_url=args.durable_url
-        )
-        return _ls(config) if args.command == "ls" else _verify(config, args.step)
+        return int(importlib.import_module(args._module).main(args))
     except TierckptError as exc:
         print(f"tierckpt: error: {exc}", file=sys.stderr)
         return exc.exit_code
-
-
-def _tiers(config: CheckpointConfig):  # type: ignore[no-untyped-def]
-    from tierckpt.tiers import open_durable, open_memory
-
-    durable = open_durable(config)
-    return [open_memory(config)] + ([durable] if durable is not None else [])
-
-
-def _ls(config: CheckpointConfig) -> int:
-    print(f"namespace {config.namespace}")
-    print(f"{'tier':<8} {'step':>8} {'state':<10} {'files':>5} {'size':>12}  location")
-    for tier in _tiers(config):
-        listings = tier.list_steps(include_uncommitted=True)
-        if not listings:
-            print(f"{tier.name:<8} {'-':>8} {'(empty)':<10} {'':>5} {'':>12}  {tier.location()}")
-        for s in listings:
-            data = {n: size for n, size in s.files.items() if n.endswith(".distcp")}
-            state = "committed" if s.committed else "partial"
-            print(f"{tier.name:<8} {s.step:>8} {state:<10} {len(data):>5} {_human(sum(s.files.values())):>12}  {tier.location(s.step)}")
-    return 0
-
-
-def _verify(config: CheckpointConfig, step: int) -> int:
-    from tierckpt.integrity import verify_copy
-
-    reports = []
-    for tier in _tiers(config):
-        if any(s.step == step for s in tier.list_steps(include_uncommitted=True)):
-            # a node's memory tier holds only its own ranks' files
-            reports.append(verify_copy(tier, step, config.namespace, require_all_files=tier.name != "memory"))
-    if not reports:
-        raise CheckpointNotFoundError(f"step {step} of namespace {config.namespace!r} is in no tier", step=step)
-    for r in reports:
-        status = "OK" if r.ok else "BAD"
-        print(f"{r.tier:<8} step {step}: {status}  {len(r.files_checked)} file(s) verified  {r.location}")
-        for f in r.files_missing:
-            print(f"           not on this node: {f}")
-        for problem in r.problems:
-            print(f"           {problem}")
-    return 0 if all(r.ok for r in reports) else 4
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
+    except KeyboardInterrupt:
+        print("tierckpt: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
