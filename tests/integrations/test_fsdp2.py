@@ -51,7 +51,7 @@ def _assert_equal(a: Any, b: Any, where: str = "") -> None:
             _assert_equal(a[key], b[key], f"{where}.{key}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_equal(x, y, f"{where}[{i}]")
     else:
         assert a == b, where
