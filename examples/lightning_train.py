@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--async-save", action="store_true")
+    p.add_argument("--devices", type=int, default=1, help="CPU processes (DDP over gloo when > 1)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
@@ -81,13 +82,15 @@ def main(argv: list[str] | None = None) -> None:
         if args.kill_at_step is not None:
             callbacks.append(KillAtStep(args.kill_at_step))
         trainer = pl.Trainer(
-            max_epochs=args.epochs, accelerator="cpu", devices=1, plugins=[plugin], callbacks=callbacks,
+            max_epochs=args.epochs, accelerator="cpu", devices=args.devices, plugins=[plugin], callbacks=callbacks,
+            strategy="ddp" if args.devices > 1 else "auto",
             logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=scratch,
             num_sanity_val_steps=0,
         )
         trainer.fit(model, train_dataloaders=loader, ckpt_path=io.resume_path())
-    print(f"resumed from step {io.loaded_step}; saved steps {io.saved_steps}; global step {trainer.global_step}")
-    if args.out:
+    print(f"rank {trainer.global_rank}: resumed from step {io.loaded_step}; saved steps {io.saved_steps}; "
+          f"global step {trainer.global_step}")
+    if args.out and trainer.is_global_zero:
         optimizer = trainer.optimizers[0]
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "resumed_from": io.loaded_step, "saved_steps": io.saved_steps,

@@ -18,36 +18,50 @@ import tempfile
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import tierckpt
 from tierckpt.integrations.ray import config_for_run, load_ray_checkpoint, pyarrow_filesystem, report, step_of
+
+
+def make_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> float:
+    """One step on a batch that depends only on the step, so a resumed run repeats the same data."""
+    gen = torch.Generator().manual_seed(step)
+    x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def train_func(config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker (a torch process group is already up)."""
     import ray.train
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = make_model()
     # durable only when reported (report() forces it); the memory tier takes every step
     cfg = config_for_run(namespace="tierckpt", memory_dir=config["memory_dir"], durable_every_n_steps=1_000_000)
     with tierckpt.Checkpointer(cfg) as ck:
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        # get_state_dict creates the optimizer state (momentum buffers) a fresh optimizer lacks:
+        # a load template without those keys would silently leave them out of the resume
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
         resumed = load_ray_checkpoint(ck, ray.train.get_checkpoint(), state)
         if resumed is not None:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for step in range(0 if resumed is None else resumed + 1, config["steps"]):
-            gen = torch.Generator().manual_seed(step)
-            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 1, generator=gen)
-            loss = torch.nn.functional.mse_loss(model(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+            loss = train_step(model, optimizer, step)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
             if step % config["report_every"] == 0 or step == config["steps"] - 1:
-                report(ck, step, state, {"loss": loss.item(), "step": step, "resumed_from": resumed})
+                report(ck, step, state, {"loss": loss, "step": step, "resumed_from": resumed})
             else:
                 ck.save(step, state)
             if step == config["fail_at"] and resumed is None:

@@ -26,7 +26,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_train.py
 
 def _train(memory_dir: Path, durable: Path, out: Path | None, *extra: str) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, str(EXAMPLE), "--namespace", "lit", "--memory-dir", str(memory_dir),
-            "--durable-url", f"file://{durable}", "--epochs", "4", *extra]
+            "--durable-url", f"file://{durable}", *(extra if "--epochs" in extra else ("--epochs", "4", *extra))]
     if out is not None:
         argv += ["--out", str(out)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=180)
@@ -90,3 +90,27 @@ def test_step_names_and_fresh_start(shm_root: Path) -> None:
     assert io.resume_path() == LATEST and io.step_for("/x/last.ckpt") == 3
     back = io.load_checkpoint("/x/last.ckpt")
     assert torch.equal(back["state_dict"]["w"], weights["w"]) and back["optimizer_states"] == []
+
+
+@pytest.mark.slow
+def test_ddp_rank0_saves_and_both_ranks_resume_the_same_step(shm_root: Path, tmp_path: Path) -> None:
+    """Lightning DDP on 2 CPU processes (gloo): only global rank 0 saves (no collective in the
+    save); at resume both ranks load through one collective load and agree on step 2."""
+    from tierckpt.integrations.lightning import TierckptCheckpointIO
+
+    mem, dur = shm_root / "ddp", tmp_path / "ddp"
+    first = _train(mem, dur, tmp_path / "first.pt", "--devices", "2", "--epochs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "rank 0: resumed from step None; saved steps [1, 2]" in first.stdout
+    assert "rank 1: resumed from step None; saved steps []" in first.stdout
+    stopped = torch.load(tmp_path / "first.pt", weights_only=False)
+
+    second = _train(mem, dur, tmp_path / "second.pt", "--devices", "2", "--epochs", "4")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "rank 0: resumed from step 2; saved steps [3, 4]; global step 4" in second.stdout
+    assert "rank 1: resumed from step 2; saved steps []; global step 4" in second.stdout
+
+    io = TierckptCheckpointIO(CheckpointConfig(namespace="lit", memory_dir=str(mem)))
+    saved = io.load_checkpoint("epoch=1-step=2.ckpt")
+    for key, value in stopped["model"].items():
+        assert torch.equal(saved["state_dict"][key], value), key

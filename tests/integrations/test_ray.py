@@ -7,7 +7,10 @@ it; a fresh node (empty memory tier) resumes the step a Ray checkpoint names fro
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,11 +18,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 pytest.importorskip("ray.train")
 
 from tierckpt import CheckpointConfig, Checkpointer, ConfigError  # noqa: E402
 from tierckpt.integrations.ray import load_ray_checkpoint, step_of, to_ray_checkpoint  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _state(step: int) -> dict[str, Any]:
@@ -81,3 +87,49 @@ def test_step_of_names_the_step_or_says_what_is_wrong() -> None:
         step_of(Checkpoint(path="/exp/run/checkpoint_2026-11-24_14-00-00.000000"))
     with pytest.raises(ConfigError, match="durable tier"):
         to_ray_checkpoint(CheckpointConfig(namespace="x", memory_dir="/dev/shm/unused"), 1)
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.skipif(os.environ.get("TIERCKPT_RAY_TRAINER_TEST") != "1",
+                    reason="starts a local Ray instance (~80 s here); set TIERCKPT_RAY_TRAINER_TEST=1")
+def test_torchtrainer_worker_failure_resumes_from_the_s3_tier(
+    s3_env: dict[str, str], bucket: str, memory_dir: str
+) -> None:
+    """A real TorchTrainer (1 worker) on a local Ray instance, run storage on SeaweedFS.
+
+    The training function raises once after step 3; Ray restarts the worker group, which resumes
+    from the checkpoint tierckpt reported at step 2. The final step, loaded back from S3 by a
+    fresh node, equals bit for bit a local run that never failed.
+    """
+    argv = [sys.executable, str(EXAMPLES / "ray_train.py"), "--storage-path", f"s3://{bucket}/results",
+            "--memory-dir", memory_dir, "--steps", "6", "--report-every", "2", "--fail-at", "3"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=dict(os.environ, **s3_env))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "(step 5)" in done.stdout and "'resumed_from': 2" in done.stdout, done.stdout
+
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import ray_train
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    model, optimizer = ray_train.make_model()
+    for step in range(6):
+        ray_train.train_step(model, optimizer, step)
+
+    fresh = Path(tempfile.mkdtemp(prefix="tierckpt-ray-e2e-", dir="/dev/shm"))
+    try:
+        run_dir = f"s3://{bucket}/results/tierckpt-ray"
+        cfg = CheckpointConfig(namespace="tierckpt", memory_dir=str(fresh), durable_url=run_dir)
+        other_model, other_optimizer = ray_train.make_model()
+        model_sd, optim_sd = get_state_dict(other_model, other_optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with Checkpointer(cfg) as ck:
+            assert load_ray_checkpoint(ck, to_ray_checkpoint(cfg, 5), state) == 5
+        want_model, want_optim = get_state_dict(model, optimizer)
+        for key, value in want_model.items():
+            assert torch.equal(state["model"][key], value), key
+        for fqn, entry in want_optim["state"].items():
+            assert torch.equal(state["optim"]["state"][fqn]["momentum_buffer"], entry["momentum_buffer"]), fqn
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)

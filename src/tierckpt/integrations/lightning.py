@@ -27,7 +27,7 @@ from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import ConfigError
 from tierckpt.integrations._tree import load_tree, save_tree
-from tierckpt.runtime import runtime_for
+from tierckpt.tiers import Tier, open_durable, open_memory
 
 __all__ = ["LATEST", "TierckptCheckpointIO"]
 
@@ -126,9 +126,6 @@ class TierckptCheckpointIO(_Base):
         For ``trainer.fit(model, ckpt_path=io.resume_path())``: a fresh run starts from scratch,
         a restarted one resumes from the newest step all ranks can load.
         """
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        runtime = runtime_for(self.config, rank)
-        tiers = [runtime.memory] + ([runtime.durable] if runtime.durable is not None else [])
-        return LATEST if any(tier.list_steps() for tier in tiers) else None
+        # the tiers alone, not a rank runtime: Lightning sets up its process group only in fit()
+        tiers: list[Tier | None] = [open_memory(self.config), open_durable(self.config)]
+        return LATEST if any(tier.list_steps() for tier in tiers if tier is not None) else None
