@@ -110,7 +110,7 @@ def test_ddp_rank0_saves_and_both_ranks_resume_the_same_step(shm_root: Path, tmp
     assert "rank 0: resumed from step 2; saved steps [3, 4]; global step 4" in second.stdout
     assert "rank 1: resumed from step 2; saved steps []; global step 4" in second.stdout
 
-    io = TierckptCheckpointIO(CheckpointConfig(namespace="lit", memory_dir=str(mem)))
-    saved = io.load_checkpoint("epoch=1-step=2.ckpt")
+    io = TierckptCheckpointIO(CheckpointConfig(namespace="lit", memory_dir=str(mem), durable_url=f"file://{dur}"))
+    saved = io.load_checkpoint("epoch=1-step=2.ckpt")  # memory keeps steps 3 and 4: from the durable tier
     for key, value in stopped["model"].items():
         assert torch.equal(saved["state_dict"][key], value), key
