@@ -44,6 +44,11 @@ def _adapter(rank: int, memory_dir: str, durable_url: str) -> list[int]:
     pinned.upload_completion.result()
     got = {"layers.0.weight": torch.zeros(32, 16), "train_state": {"step": -1}}
     tiered_load(cfg, got, "outputs/checkpoint/step-4")
+    try:
+        tiered_load(cfg, got, "outputs/checkpoint/step-3")
+        raise AssertionError("step 3 was never saved")
+    except tierckpt.CheckpointNotFoundError:
+        pass  # a typed error, not DCP's CheckpointException (a BaseException)
     want = _state(4, 0)  # rank 0's tensor: DCP stores one copy of a replicated (plain) tensor
     assert torch.equal(got["layers.0.weight"], want["layers.0.weight"]) and got["train_state"]["step"] == 4
     return [newest_step(cfg)]

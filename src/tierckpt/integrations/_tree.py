@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt.errors import TierckptError
+from tierckpt.errors import StateDictMismatchError, TierckptError
 
 __all__ = ["TREE_KEY", "TensorRef", "join", "load_tree", "save_tree", "split"]
 
@@ -104,7 +104,10 @@ def save_tree(config: CheckpointConfig, step: int, obj: Any, *, durable: bool | 
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_save(state, storage_writer=writer, no_dist=True)
     except CheckpointException as exc:
-        raise _unwrap(exc) from exc
+        cause = dcp_cause(exc)
+        if isinstance(cause, TierckptError):
+            raise cause from exc
+        raise TierckptError(f"saving step {step} of namespace {config.namespace!r} failed: {cause}") from exc
 
 
 def load_tree(config: CheckpointConfig, step: int | None = None, *, collective: bool | None = None) -> tuple[int, Any]:
@@ -116,13 +119,19 @@ def load_tree(config: CheckpointConfig, step: int | None = None, *, collective: 
     together = dist.is_available() and dist.is_initialized() if collective is None else collective
     head: dict[str, Any] = {TREE_KEY: None}
     reader = TieredStorageReader(config, step, single_process=not together)
-    _load(head, reader, together)
+    try:
+        _load(head, reader, together)
+    except CheckpointException as exc:  # no tierckpt error inside: DCP's planner found no (bytes) tree item
+        raise StateDictMismatchError(
+            f"step {reader.step} of namespace {config.namespace!r} was not saved by save_tree "
+            "(a framework integration); load it with Checkpointer.load or dcp.load instead"
+        ) from exc
     chosen = reader.step
     if chosen is None:  # the reader sets it before any read; a None here is a reader bug
         raise TierckptError("the reader loaded a checkpoint without naming its step")
     wrapped = head[TREE_KEY]
     if not isinstance(wrapped, _Skeleton):
-        raise TierckptError(
+        raise StateDictMismatchError(
             f"step {chosen} of namespace {config.namespace!r} was not saved by save_tree "
             "(a framework integration); load it with Checkpointer.load or dcp.load instead"
         )
@@ -131,7 +140,12 @@ def load_tree(config: CheckpointConfig, step: int | None = None, *, collective: 
     join_refs(skeleton, refs)
     tensors = {k: torch.empty(r.shape, dtype=r.dtype) for k, r in refs.items()}
     if tensors:
-        _load(tensors, TieredStorageReader(config, chosen, single_process=not together), together)
+        try:
+            _load(tensors, TieredStorageReader(config, chosen, single_process=not together), together)
+        except CheckpointException as exc:
+            raise StateDictMismatchError(
+                f"step {chosen} of namespace {config.namespace!r}: its tensors do not match its tree ({exc})"
+            ) from exc
     return chosen, join(skeleton, tensors)
 
 
@@ -153,13 +167,16 @@ def _load(state: dict[str, Any], reader: TieredStorageReader, together: bool) ->
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp_load(state, storage_reader=reader, no_dist=not together)
     except CheckpointException as exc:
-        raise (reader.failure or _unwrap(exc)) from exc
+        cause = reader.failure or dcp_cause(exc)
+        if isinstance(cause, TierckptError):
+            raise cause from exc
+        raise  # the caller names what a DCP-level failure means here
 
 
-def _unwrap(exc: CheckpointException) -> BaseException:
-    """The tierckpt error a rank raised inside DCP, else DCP's own exception."""
-    for failure in getattr(exc, "failures", {}).values():
-        cause = failure[0] if isinstance(failure, tuple) else failure
+def dcp_cause(exc: CheckpointException) -> BaseException:
+    """The tierckpt error a rank raised inside DCP, else the first rank's own error."""
+    causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(exc.failures.items())]
+    for cause in causes:
         if isinstance(cause, TierckptError):
             return cause
-    return exc
+    return causes[0] if causes else exc

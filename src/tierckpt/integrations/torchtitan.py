@@ -22,11 +22,14 @@ are the adapter itself and need no torchtitan.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -34,7 +37,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import TieredStorageReader, TieredStorageWriter
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, TierckptError
+from tierckpt.integrations._tree import dcp_cause
 from tierckpt.runtime import runtime_for
 
 # TierckptCheckpointManager comes from __getattr__ (built on first use, so no torchtitan import here)
@@ -61,7 +65,8 @@ def tiered_save(config: CheckpointConfig, state_dict: dict[str, Any], checkpoint
     """
     writer = TieredStorageWriter(config, step=titan_step(checkpoint_id))
     if mode == "disabled":
-        dcp_save(state_dict, storage_writer=writer)
+        with _typed(f"saving {checkpoint_id}"):
+            dcp_save(state_dict, storage_writer=writer)
         return None
     if mode not in ("async", "async_with_pinned_mem"):
         raise ConfigError(f"unknown torchtitan async mode {mode!r}; use disabled, async or async_with_pinned_mem")
@@ -76,7 +81,24 @@ def tiered_save(config: CheckpointConfig, state_dict: dict[str, Any], checkpoint
 
 def tiered_load(config: CheckpointConfig, state_dict: dict[str, Any], checkpoint_id: str) -> None:
     """Load ``<folder>/step-N`` in place from the fastest verified copy (every rank calls)."""
-    dcp_load(state_dict, storage_reader=TieredStorageReader(config, step=titan_step(checkpoint_id)))
+    reader = TieredStorageReader(config, step=titan_step(checkpoint_id))
+    with _typed(f"loading {checkpoint_id}", reader):
+        dcp_load(state_dict, storage_reader=reader)
+
+
+@contextlib.contextmanager
+def _typed(what: str, reader: TieredStorageReader | None = None) -> Iterator[None]:
+    """DCP's CheckpointException (a BaseException) → the tierckpt error inside, or a TierckptError.
+
+    With several ranks DCP re-wraps a read_metadata error as text; the reader keeps the original.
+    """
+    try:
+        yield
+    except CheckpointException as exc:
+        cause = (reader.failure if reader is not None else None) or dcp_cause(exc)
+        if isinstance(cause, TierckptError):
+            raise cause from exc
+        raise TierckptError(f"{what} failed: {cause}") from exc
 
 
 def newest_step(config: CheckpointConfig) -> int:
