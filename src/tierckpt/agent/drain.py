@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
-from tierckpt.errors import TierckptError
+from tierckpt.errors import ConfigError, TierckptError
 from tierckpt.observability import get_logger, throughput
 from tierckpt.tiers import LocalTier, open_durable
 
@@ -52,7 +52,8 @@ def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
         return {"state": "empty"}
     newest = steps[-1]
     durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
-    assert durable is not None
+    if durable is None:
+        raise ConfigError(f"durable_url {url!r} names no durable tier; pass file:///path or s3://bucket/prefix")
     try:
         if any(s.step == newest.step for s in durable.list_steps()):
             return {"step": newest.step, "state": "durable"}

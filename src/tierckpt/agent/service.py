@@ -27,6 +27,7 @@ from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
 from tierckpt.agent.server import LocalServer, PeerServer
 from tierckpt.agent.store import Held, NodeStore, select_evictions
+from tierckpt.agent.transfer import StreamCheck
 from tierckpt.errors import IntegrityError, TierckptError
 from tierckpt.integrity import verify_items
 from tierckpt.observability import get_logger, throughput
@@ -152,9 +153,10 @@ class Agent:
         try:
             if any(pin is None for _, pin in pins):
                 return
-            files: list[tuple[str, Path | bytes]] = [(n, pin) for n, pin in pins if pin is not None]
-            files += [(layout.METADATA, md_raw), (layout.MANIFEST, mf_raw),
-                      (layout.MARKER, tier.read_file(newest.step, layout.MARKER))]
+            # the sealed small files first, so the receiver checks each data file as it arrives
+            files: list[tuple[str, Path | bytes]] = [(layout.METADATA, md_raw), (layout.MANIFEST, mf_raw),
+                                                     (layout.MARKER, tier.read_file(newest.step, layout.MARKER))]
+            files += [(n, pin) for n, pin in pins if pin is not None]
             keep = [s.step for s in steps]
             for node, addr in todo:
                 if self._send_replica(ns, newest.step, save_id, files, keep, node, addr):
@@ -230,26 +232,15 @@ class Agent:
         staging.mkdir(parents=True)
         (staging / f".owner-{socket.gethostname()}-{os.getpid()}").touch()
         t0 = time.perf_counter()
-        small: dict[str, bytes] = {}
         try:
-            for name, size in req.files:
-                if name in _SMALL:
-                    small[name] = conn._exact(size)
-                    continue
-                fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    conn.recv_into_file(fd, size)
-                finally:
-                    os.close(fd)
+            small = self._receive_files(req, conn, staging)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        try:
-            self._verify_replica(req, staging, small)
-        except (IntegrityError, p.ProtocolViolation, OSError) as exc:
+        if isinstance(small, IntegrityError):
             shutil.rmtree(staging, ignore_errors=True)
             self.metrics.replicas_rejected.inc()
-            conn.send({"op": "error", "message": f"replica rejected: {exc}"})
+            conn.send({"op": "error", "message": f"replica rejected: {small}"})
             return
         tier.commit(req.step, req.save_id, {layout.METADATA: small[layout.METADATA],
                                             layout.MANIFEST: small[layout.MANIFEST]})
@@ -260,23 +251,69 @@ class Agent:
                   req.namespace, req.origin, throughput(req.nbytes, time.perf_counter() - t0))
         conn.send({"op": "stored"})
 
+    def _receive_files(self, req: p.Put, conn: Connection, staging: Path) -> dict[str, bytes] | IntegrityError:
+        """Every announced byte into ``staging``; the small files, or the reason the replica is bad.
+
+        Data files that follow a sealed manifest are checked while they arrive (one pass);
+        any that come before it are checked afterwards. Every announced byte is read either
+        way, so the connection stays in step for the reply.
+        """
+        where = f"replica {req.namespace}/step_{req.step} from {req.origin}"
+        small: dict[str, bytes] = {}
+        manifest: layout.Manifest | None = None
+        problem: IntegrityError | None = None
+        unchecked: list[str] = []
+        for name, size in req.files:
+            if name in _SMALL:
+                small[name] = conn._exact(size)
+                if manifest is None and problem is None and set(small) == set(_SMALL):
+                    try:
+                        manifest = self._sealed_manifest(req, small, where)
+                    except IntegrityError as exc:
+                        problem = exc
+                continue
+            check = None
+            if manifest is not None and problem is None:
+                try:
+                    if manifest.files.get(name) != size:
+                        raise IntegrityError(f"{where}: {name} is not in the manifest with {size} bytes")
+                    check = StreamCheck.for_file(manifest, name, size, f"{where}/{name}")
+                except IntegrityError as exc:
+                    problem = exc
+            fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                conn.recv_into_file(fd, size, check)
+            except IntegrityError as exc:
+                problem = problem or exc
+            finally:
+                os.close(fd)
+            if check is None:
+                unchecked.append(name)
+        if problem is not None:
+            return problem
+        try:
+            if manifest is None:
+                manifest = self._sealed_manifest(req, small, where)
+            sizes = dict(req.files)
+            for name in unchecked:
+                if manifest.files.get(name) != sizes[name]:
+                    raise IntegrityError(f"{where}: {name} is not in the manifest with {sizes[name]} bytes")
+                verify_file(staging / name, [r for r in manifest.items if r.file == name], f"{where}/{name}")
+        except IntegrityError as exc:
+            return exc
+        return small
+
     @staticmethod
-    def _verify_replica(req: p.Put, staging: Path, small: dict[str, bytes]) -> None:
+    def _sealed_manifest(req: p.Put, small: dict[str, bytes], where: str) -> layout.Manifest:
         if set(small) != set(_SMALL):
             raise IntegrityError("a replica needs .metadata, manifest.json and COMMITTED")
-        where = f"replica {req.namespace}/step_{req.step} from {req.origin}"
         save_id = layout.check_marker(small[layout.MARKER], small[layout.MANIFEST], where=where)
         mf = layout.Manifest.from_bytes(small[layout.MANIFEST], where=where)
         if (mf.namespace, mf.step, mf.save_id, save_id) != (req.namespace, req.step, req.save_id, req.save_id):
             raise IntegrityError(f"{where}: manifest names {mf.namespace}/step_{mf.step} save {mf.save_id}")
         if layout.checksum(small[layout.METADATA]) != mf.metadata_xxh3:
             raise IntegrityError(f"{where}: .metadata fails its checksum")
-        for name, size in req.files:
-            if name in _SMALL:
-                continue
-            if mf.files.get(name) != size:
-                raise IntegrityError(f"{where}: {name} is not in the manifest with {size} bytes")
-            verify_file(staging / name, [r for r in mf.items if r.file == name], f"{where}/{name}")
+        return mf
 
     # -- local requests -------------------------------------------------------------------
     def handle_local(self, req: dict[str, Any]) -> dict[str, Any] | None:
