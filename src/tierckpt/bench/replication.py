@@ -213,8 +213,7 @@ def _empty(workdir: Path, tag: str) -> Path:
 
 def _timed_load(memory_dir: str, url: str | None, expect: dict[str, torch.Tensor], tier: str,
                 s3: S3Settings | None = None) -> float:
-    cfg = tierckpt.CheckpointConfig(namespace=NS, memory_dir=memory_dir, durable_url=url,
-                                    **({"s3": s3} if s3 is not None else {}))
+    cfg = tierckpt.CheckpointConfig(namespace=NS, memory_dir=memory_dir, durable_url=url, s3=s3 or S3Settings())
     target = {k: torch.empty_like(v) for k, v in expect.items()}
     t0 = time.perf_counter()
     with tierckpt.Checkpointer(cfg) as ck:
