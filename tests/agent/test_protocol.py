@@ -1,14 +1,20 @@
-"""The agent's pure parts: framing, request validation, the ring, the budget's eviction order."""
+"""The agent's pure parts: framing, request validation, the ring, the budget's eviction order, the
+in-stream item check."""
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import pytest
 
+from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.config import AgentConfig, parse_budget
 from tierckpt.agent.service import ring_targets
 from tierckpt.agent.store import Held, select_evictions
-from tierckpt.errors import ConfigError
+from tierckpt.agent.transfer import StreamCheck
+from tierckpt.errors import ConfigError, IntegrityError
 
 
 def test_frames_round_trip_and_reject_garbage() -> None:
@@ -108,3 +114,48 @@ def test_budget_and_config_validation() -> None:
     with pytest.raises(ConfigError, match="node id"):
         AgentConfig(memory_dir="/dev/shm/x", node_id="a/b")
     assert AgentConfig(memory_dir="/dev/shm/x").node_id == AgentConfig(memory_dir="/dev/shm/x/").node_id
+
+
+def _records(data: bytes, spans: list[tuple[int, int]]) -> list[layout.ItemRecord]:
+    return [layout.ItemRecord("__0_0.distcp", off, n, -1, layout.checksum(data[off : off + n])) for off, n in spans]
+
+
+def _feed(check: StreamCheck, data: bytes, chunk: int) -> None:
+    for i in range(0, len(data), chunk):
+        check.update(memoryview(data)[i : i + chunk])
+    check.finish()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_stream_check_verifies_each_item_in_one_pass_whatever_the_chunks(chunk: int) -> None:
+    data = bytes(random.Random(chunk).getrandbits(8) for _ in range(20_000))
+    spans = [(0, 100), (100, 0), (128, 5000), (5128, 1), (9000, 11_000)]  # gaps, an empty item, to the end
+    mf = SimpleNamespace(items=_records(data, spans))
+    check = StreamCheck.for_file(mf, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert check is not None
+    _feed(check, data, chunk)
+    bad = bytearray(data)
+    bad[3000] ^= 0xFF  # inside the third item
+    check = StreamCheck.for_file(mf, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert check is not None
+    with pytest.raises(IntegrityError, match="offset 128 "):
+        _feed(check, bytes(bad), chunk)
+    gap = bytearray(data)
+    gap[7000] ^= 0xFF  # between items: no record covers it, as for verify_items
+    check = StreamCheck.for_file(mf, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert check is not None
+    _feed(check, bytes(gap), chunk)
+
+
+def test_stream_check_refuses_what_it_cannot_check_in_order() -> None:
+    data = bytes(range(256)) * 4
+    overlapping = SimpleNamespace(items=_records(data, [(0, 100), (50, 100)]))
+    assert StreamCheck.for_file(overlapping, "__0_0.distcp", len(data), "w") is None  # type: ignore[arg-type]
+    past_end = SimpleNamespace(items=_records(data, [(0, 100), (1000, 100)]))
+    with pytest.raises(IntegrityError, match="past the file"):
+        StreamCheck.for_file(past_end, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    short = StreamCheck.for_file(SimpleNamespace(items=_records(data, [(0, 1000)])), "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert short is not None
+    short.update(memoryview(data)[:500])
+    with pytest.raises(IntegrityError, match="past the 500 bytes"):
+        short.finish()
