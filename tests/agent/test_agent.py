@@ -3,6 +3,7 @@ transfers, hostile clients, the node budget and flush. Each node is an agent wit
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import socket
@@ -226,3 +227,48 @@ def test_flush_drains_the_newest_step_to_durable(node_dir, agent, tmp_path) -> N
     shutil.rmtree(Path(a_dir, NS))
     step, tiers, sd = _load(a_dir, durable_url=url)
     assert (step, tiers) == (8, ["durable"]) and _equal(sd, _state(8))
+
+
+def _metric(text: str, line_start: str) -> float:
+    lines = [ln for ln in text.splitlines() if ln.startswith(line_start)]
+    assert lines, f"no {line_start} in the metrics"
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_status_and_metrics_show_steps_replicas_budget_and_lags(node_dir, agent, tmp_path, capsys) -> None:
+    from tierckpt.agent.cli import add_arguments, main
+
+    a_dir, b_dir = node_dir("a"), node_dir("b")
+    url = f"file://{tmp_path / 'durable'}"
+    b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET, budget_bytes=1 << 30)
+    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET, durable_url=url)
+    _save(a_dir, [1, 2], memory_steps_retained=2)
+    wait_for(lambda: _replica_steps(b_dir, "node-a") == [2], "step 2 replicated to node-b")
+    a.tick()  # the replication of step 2 is recorded before the gauges are read
+    st = local_request(a_dir, {"op": "status"})
+    assert st["namespaces"][NS]["steps"] == [1, 2]
+    assert st["namespaces"][NS]["replicated"] == {"step": 2, "to": ["node-b"]}
+    assert st["namespaces"][NS]["drain"] == {"newest_memory": 2, "newest_durable": None, "lag_steps": 2}
+    assert st["replication_lag_s"] == 0 and st["last_replication"]["to"] == "node-b"
+    assert local_request(b_dir, {"op": "status"})["replicas_held"] == {"node-a": {NS: [2]}}
+    metrics = a._agent.metrics.registry.render()
+    assert _metric(metrics, 'tierckpt_agent_held_bytes{kind="own"}') > 0
+    assert _metric(metrics, "tierckpt_agent_replicated_bytes_total") > 0
+    assert _metric(metrics, "tierckpt_agent_replication_bytes_per_second") > 0
+    assert _metric(metrics, "tierckpt_agent_replication_lag_namespaces") == 0
+    assert _metric(metrics, "tierckpt_agent_replication_lag_seconds") == 0
+    assert _metric(metrics, "tierckpt_agent_drain_lag_steps") == 2
+    a.flush(NS)
+    assert _metric(a._agent.metrics.registry.render(), "tierckpt_agent_drain_lag_steps") == 0
+    b.tick()
+    b_metrics = b._agent.metrics.registry.render()
+    assert _metric(b_metrics, 'tierckpt_agent_held_bytes{kind="replica"}') > 0
+    assert "# TYPE tierckpt_agent_evictions_total counter" in b_metrics
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main(parser.parse_args(["status", "--memory-dir", b_dir])) == 0
+    out = capsys.readouterr().out
+    assert "node node-b" in out and "MiB used of 1024.0 MiB" in out and f"replica of node-a: {NS} steps [2]" in out
+    assert main(parser.parse_args(["status", "--memory-dir", a_dir])) == 0
+    out = capsys.readouterr().out
+    assert f"{NS}: steps [1, 2]; replicas: step 2 on node-b; drain lag 0 steps (newest durable 2)" in out

@@ -115,14 +115,29 @@ def _format_status(s: dict[str, Any]) -> str:
     lines = [f"node {s['node']}  peers at {s['address']}  memory {s['memory_dir']}"]
     budget = s.get("budget_bytes")
     used = s.get("used_bytes", 0)
-    lines.append(f"budget: {used / 2**20:.1f} MiB used" + (f" of {budget / 2**20:.1f} MiB" if budget else " (no cap)"))
+    held = s.get("held_bytes", {})
+    lines.append(f"budget: {used / 2**20:.1f} MiB used" + (f" of {budget / 2**20:.1f} MiB ({100 * used / budget:.0f} %)"
+                                                          if budget else " (no cap)")
+                 + "; held: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(held.items())))
+    evictions = s.get("evictions", {})
+    if any(evictions.values()):
+        lines.append("evicted: " + ", ".join(f"{int(v)} {k}" for k, v in sorted(evictions.items())))
     peers = s.get("peers", {})
     lines.append("peers: " + (", ".join(f"{n} ({a})" for a, n in peers.items()) or "none reachable"))
-    lines.append("replicating to: " + (", ".join(s.get("ring_targets", [])) or "nobody"))
+    lines.append("replicating to: " + (", ".join(s.get("ring_targets", [])) or "nobody")
+                 + f"; lag {s.get('replication_lag_s', 0):.1f}s")
+    last = s.get("last_replication") or {}
+    if last:
+        rate = last["bytes"] / last["seconds"] / 1e6 if last.get("seconds") else 0.0
+        lines.append(f"last replication: {last['namespace']} step {last['step']} to {last['to']}, "
+                     f"{last['bytes'] / 1e6:.1f} MB in {last['seconds']:.3f}s ({rate:.0f} MB/s)")
     for ns, info in sorted(s.get("namespaces", {}).items()):
         rep = info.get("replicated") or {}
         where = f"step {rep['step']} on {', '.join(rep['to'])}" if rep.get("to") else "not yet"
-        lines.append(f"  {ns}: steps {info['steps']}; replicas: {where}")
+        drain = info.get("drain") or {}
+        lag = (f"; drain lag {drain['lag_steps']} steps (newest durable {drain.get('newest_durable')})"
+               if "lag_steps" in drain else "")
+        lines.append(f"  {ns}: steps {info['steps']}; replicas: {where}{lag}")
     for origin, spaces in sorted(s.get("replicas_held", {}).items()):
         for ns, steps in sorted(spaces.items()):
             lines.append(f"  replica of {origin}: {ns} steps {steps}")

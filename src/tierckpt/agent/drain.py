@@ -24,7 +24,7 @@ from tierckpt.tiers import LocalTier, open_durable
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent
 
-__all__ = ["flush"]
+__all__ = ["drain_lag", "flush"]
 
 _log = get_logger("agent")
 
@@ -41,8 +41,32 @@ def flush(agent: Agent, namespace: str | None) -> dict[str, Any]:
         except (TierckptError, OSError) as exc:
             errors.append(f"{ns}: {exc}")
     agent.drain_state = {"last_flush": time.time(), "drained": out, "errors": errors}
-    agent.metrics.drain_lag.set(sum(1 for v in out.values() if v.get("state") == "partial"))
+    try:
+        agent.refresh_drain_lag()
+    except (TierckptError, OSError) as exc:
+        errors.append(f"drain lag: {exc}")
     return {"ok": not errors, "drained": out, "error": "; ".join(errors) or None}
+
+
+def drain_lag(agent: Agent, ns: str) -> dict[str, Any]:
+    """{newest_memory, newest_durable, lag_steps}: this node's committed memory steps of ``ns``
+    newer than the newest durable step (0 when the newest is durable, or nothing is held)."""
+    url = agent.config.durable_url
+    memory = [s.step for s in agent.store.own(ns).list_steps()]
+    if url is None:
+        return {"newest_memory": memory[-1] if memory else None}
+    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
+    try:
+        steps = [s.step for s in durable.list_steps()] if durable is not None else []
+    except (TierckptError, OSError) as exc:
+        return {"newest_memory": memory[-1] if memory else None, "error": str(exc)[:200]}
+    finally:
+        closer = getattr(durable, "close", None)
+        if closer is not None:
+            closer()
+    newest = steps[-1] if steps else None
+    lag = sum(1 for s in memory if newest is None or s > newest)
+    return {"newest_memory": memory[-1] if memory else None, "newest_durable": newest, "lag_steps": lag}
 
 
 def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["handle"]
 
+STATUS_DRAIN_CHECK_S = 5.0
 _SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
 MAX_SMALL = 64 << 20
 
@@ -46,6 +48,8 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
         with agent.fetch_lock((ns, step, name)):
             return fetch(agent, ns, step, name)
     if op == "status":
+        if agent.config.durable_url is not None and time.monotonic() - agent._drain_checked > STATUS_DRAIN_CHECK_S:
+            agent.refresh_drain_lag()  # someone asked: list the durable tier, at most every few seconds
         return {"ok": True, **agent.status()}
     if op == "budget":
         return {"ok": True, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}

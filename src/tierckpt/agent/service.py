@@ -38,6 +38,7 @@ _log = get_logger("agent")
 _SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
 MAX_SMALL = 64 << 20
 PEER_REFRESH_S = 5.0
+DRAIN_CHECK_S = 30.0  # listing an S3 durable tier every scan would be a LIST a second per namespace
 
 
 def ring_targets(nodes: Sequence[str], me: str, k: int) -> list[str]:
@@ -75,6 +76,9 @@ class Agent:
         self._stop = threading.Event()
         self._peers_checked = 0.0
         self.drain_state: dict[str, Any] = {}
+        self.drain_lag: dict[str, dict[str, Any]] = {}
+        self._drain_checked = float("-inf")
+        self.last_replication: dict[str, Any] = {}
         Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
         self.store.gc()
         self.peer_server = PeerServer(self, *config.listen)
@@ -113,6 +117,17 @@ class Agent:
                 self._replicate_newest(ns)
         self.enforce_budget(0)
         self._update_gauges()
+        if self.config.durable_url is not None and time.monotonic() - self._drain_checked > DRAIN_CHECK_S:
+            self.refresh_drain_lag()
+
+    def refresh_drain_lag(self) -> dict[str, dict[str, Any]]:
+        """Per namespace: the newest memory and durable steps and the lag between them (lists durable)."""
+        from tierckpt.agent.drain import drain_lag
+
+        self._drain_checked = time.monotonic()
+        self.drain_lag = {ns: drain_lag(self, ns) for ns in self.store.namespaces()}
+        self.metrics.drain_lag.set(sum(int(v.get("lag_steps", 0)) for v in self.drain_lag.values()))
+        return self.drain_lag
 
     def _refresh_peers(self) -> None:
         self._peers_checked = time.monotonic()
@@ -185,6 +200,8 @@ class Agent:
         dt = time.perf_counter() - t0
         self.metrics.replicated_bytes.inc(nbytes)
         self.metrics.replication_seconds.set(dt)
+        self.metrics.replication_throughput.set(nbytes / dt if dt > 0 else 0.0)
+        self.last_replication = {"step": step, "namespace": ns, "to": node, "bytes": nbytes, "seconds": round(dt, 4)}
         _log.info("[Agent %s] Step %d: replicated %s to %s in %s", self.node_id, step, ns, node, throughput(nbytes, dt))
         return True
 
@@ -360,10 +377,14 @@ class Agent:
             "memory_dir": self.config.memory_dir,
             "peers": {f"{a[0]}:{a[1]}": n for a, n in self.peer_ids.items()},
             "ring_targets": [n for n, _ in self.targets()],
-            "namespaces": {ns: {"steps": sorted(s), "replicated": self._replicated_view(ns)} for ns, s in own.items()},
+            "namespaces": {ns: {"steps": sorted(s), "replicated": self._replicated_view(ns),
+                                "drain": self.drain_lag.get(ns, {})} for ns, s in own.items()},
             "replicas_held": replicas,
             "budget_bytes": self.config.budget_bytes, "used_bytes": self.store.usage_bytes(),
             "held_bytes": {k: sum(h.nbytes for h in held if h.kind == k) for k in ("own", "replica", "cache")},
+            "replication_lag_s": self.metrics.replication_lag_seconds.value(),
+            "last_replication": self.last_replication,
+            "evictions": {k: self.metrics.evictions.value(kind=k) for k in ("cache", "replica")},
             "drain": self.drain_state,
         }
 
@@ -376,13 +397,20 @@ class Agent:
             self.metrics.held_bytes.set(0, kind=kind)
         for h in self.store.everything():
             self.metrics.held_bytes.inc(h.nbytes, kind=h.kind)
-        lag = 0
+        lag, oldest = 0, 0.0
+        now = time.time()
         for ns in self.store.namespaces():
             steps = self.store.own(ns).list_steps()
             done = self.replicated.get(ns)
             if steps and self.config.replicas > 0 and (done is None or done[0] != steps[-1].step or not done[2]):
                 lag += 1
+                marker = self.store.own(ns).step_dir(steps[-1].step) / layout.MARKER
+                try:
+                    oldest = max(oldest, now - marker.stat().st_mtime)
+                except FileNotFoundError:
+                    pass
         self.metrics.replication_lag.set(lag)
+        self.metrics.replication_lag_seconds.set(round(oldest, 3))
 
     def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
         with self._lock:
