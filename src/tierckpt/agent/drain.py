@@ -48,13 +48,18 @@ def flush(agent: Agent, namespace: str | None) -> dict[str, Any]:
     return {"ok": not errors, "drained": out, "error": "; ".join(errors) or None}
 
 
-def drain_lag(agent: Agent, ns: str) -> dict[str, Any]:
+def drain_lag(agent: Agent, ns: str, known: dict[str, int | None]) -> dict[str, Any]:
     """{newest_memory, newest_durable, lag_steps}: this node's committed memory steps of ``ns``
-    newer than the newest durable step (0 when the newest is durable, or nothing is held)."""
+    newer than the newest durable step (0 when the newest is durable, or nothing is held).
+    The durable tier is listed unless ``known`` has its newest step already."""
     url = agent.config.durable_url
     memory = [s.step for s in agent.store.own(ns).list_steps()]
     if url is None:
         return {"newest_memory": memory[-1] if memory else None}
+    if ns in known:
+        newest = known[ns]
+        return {"newest_memory": memory[-1] if memory else None, "newest_durable": newest,
+                "lag_steps": sum(1 for s in memory if newest is None or s > newest)}
     durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
     try:
         steps = [s.step for s in durable.list_steps()] if durable is not None else []

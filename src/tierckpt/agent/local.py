@@ -48,8 +48,8 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
         with agent.fetch_lock((ns, step, name)):
             return fetch(agent, ns, step, name)
     if op == "status":
-        if agent.config.durable_url is not None and time.monotonic() - agent._drain_checked > STATUS_DRAIN_CHECK_S:
-            agent.refresh_drain_lag()  # someone asked: list the durable tier, at most every few seconds
+        if agent.config.durable_url is not None:  # someone asked: list the durable tier, at most every few seconds
+            agent.refresh_drain_lag(list_durable=time.monotonic() - agent._drain_checked > STATUS_DRAIN_CHECK_S)
         return {"ok": True, **agent.status()}
     if op == "budget":
         return {"ok": True, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}

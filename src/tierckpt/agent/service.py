@@ -117,15 +117,22 @@ class Agent:
                 self._replicate_newest(ns)
         self.enforce_budget(0)
         self._update_gauges()
-        if self.config.durable_url is not None and time.monotonic() - self._drain_checked > DRAIN_CHECK_S:
-            self.refresh_drain_lag()
+        if self.config.durable_url is not None:
+            self.refresh_drain_lag(list_durable=time.monotonic() - self._drain_checked > DRAIN_CHECK_S)
 
-    def refresh_drain_lag(self) -> dict[str, dict[str, Any]]:
-        """Per namespace: the newest memory and durable steps and the lag between them (lists durable)."""
+    def refresh_drain_lag(self, *, list_durable: bool = True) -> dict[str, dict[str, Any]]:
+        """Per namespace: the newest memory and durable steps and the lag between them.
+
+        ``list_durable`` False reuses the newest durable step found last time (listing an S3
+        tier is a request; memory is read every time).
+        """
         from tierckpt.agent.drain import drain_lag
 
-        self._drain_checked = time.monotonic()
-        self.drain_lag = {ns: drain_lag(self, ns) for ns in self.store.namespaces()}
+        known = {ns: v["newest_durable"] for ns, v in self.drain_lag.items() if "newest_durable" in v}
+        if list_durable:
+            self._drain_checked = time.monotonic()
+            known = {}
+        self.drain_lag = {ns: drain_lag(self, ns, known) for ns in self.store.namespaces()}
         self.metrics.drain_lag.set(sum(int(v.get("lag_steps", 0)) for v in self.drain_lag.values()))
         return self.drain_lag
 
