@@ -72,10 +72,13 @@ def test_committed_step_is_replicated_bitwise(node_dir, agent) -> None:
     assert verify_copy(NodeStore(b_dir, "node-b").replica("node-a", NS), 2, NS).ok
 
 
-def test_wiped_node_loads_its_shards_from_a_peer_replica(node_dir, agent) -> None:
+@pytest.mark.parametrize("streams", [1, 4], ids=["one-stream", "parts-in-parallel"])
+def test_wiped_node_loads_its_shards_from_a_peer_replica(node_dir, agent, streams: int) -> None:
     a_dir, b_dir = node_dir("a"), node_dir("b")
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
-    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET)
+    # parts of >= 4 KiB: the 64 KiB tensor and the small items arrive over separate connections
+    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET, fetch_streams=streams,
+              fetch_part_bytes=4096)
     _save(a_dir, [3])
     wait_for(lambda: _replica_steps(b_dir, "node-a") == [3], "replica of step 3")
     shutil.rmtree(Path(a_dir, NS))  # the node lost its memory tier (the agent's socket stays)
@@ -89,7 +92,8 @@ def test_corrupted_replica_is_skipped_for_another_holder_then_durable(node_dir, 
     a_dir, b_dir, c_dir = node_dir("a"), node_dir("b"), node_dir("c")
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
     c = agent(memory_dir=c_dir, node_id="node-c", secret=SECRET)
-    agent(memory_dir=a_dir, node_id="node-a", peers=(b.address, c.address), replicas=2, secret=SECRET)
+    agent(memory_dir=a_dir, node_id="node-a", peers=(b.address, c.address), replicas=2, secret=SECRET,
+          fetch_part_bytes=4096)  # fetched in parts over parallel connections, each checked on the way
     durable = f"file://{tmp_path / 'durable'}"
     _save(a_dir, [4], durable_url=durable, durable_every_n_steps=1)
     wait_for(lambda: _replica_steps(b_dir, "node-a") == [4] and _replica_steps(c_dir, "node-a") == [4], "two replicas")

@@ -13,7 +13,7 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent.config import AgentConfig, parse_budget
 from tierckpt.agent.service import ring_targets
 from tierckpt.agent.store import Held, select_evictions
-from tierckpt.agent.transfer import StreamCheck
+from tierckpt.agent.transfer import StreamCheck, split_ranges
 from tierckpt.errors import ConfigError, IntegrityError
 
 
@@ -159,3 +159,25 @@ def test_stream_check_refuses_what_it_cannot_check_in_order() -> None:
     short.update(memoryview(data)[:500])
     with pytest.raises(IntegrityError, match="past the 500 bytes"):
         short.finish()
+
+
+def test_parts_for_parallel_fetches_cut_at_item_boundaries_and_cover_the_file() -> None:
+    data = bytes(1000)
+    recs = _records(data, [(0, 100), (100, 300), (400, 50), (450, 500), (950, 50)])
+    parts = split_ranges(recs, 1000, 4, 100)
+    # cuts at the first item at or past 250, 500 and 750 (none past 950: three parts)
+    assert [(o, n) for o, n, _ in parts] == [(0, 400), (400, 550), (950, 50)]
+    assert [[r.offset for r in rs] for _, _, rs in parts] == [[0, 100], [400, 450], [950]]
+    assert [(o, n) for o, n, _ in split_ranges(recs, 1000, 4, 600)] == [(0, 1000)]  # parts too small: one
+    assert [(o, n) for o, n, _ in split_ranges(recs, 1000, 2, 100)] == [(0, 950), (950, 50)]
+    mf = SimpleNamespace(items=recs)
+    check = StreamCheck(parts[1][2], "w", start=parts[1][0])  # a part checks its own items from its offset
+    check.update(memoryview(data)[400:950])
+    check.finish()
+    assert StreamCheck.for_file(mf, "__0_0.distcp", 1000, "w") is not None  # type: ignore[arg-type]
+    assert p.parse_request({"op": "get", "ns": "run1", "origin": "n", "step": 1, "name": "COMMITTED",
+                            "offset": 5, "length": 7}) == p.Get("run1", "n", 1, "COMMITTED", 5, 7)
+    for offset, length in ((-1, 5), (0, -5), (True, 5), (0, 1 << 41)):
+        with pytest.raises(p.ProtocolViolation):
+            p.parse_request({"op": "get", "ns": "run1", "origin": "n", "step": 1, "name": "COMMITTED",
+                             "offset": offset, "length": length})

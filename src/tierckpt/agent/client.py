@@ -48,22 +48,25 @@ class Connection:
             got += k
         return bytes(buf)
 
-    def recv_into_file(self, fd: int, size: int, check: StreamCheck | None = None) -> None:
-        """Receive exactly ``size`` raw bytes into an open file, checking items on the way if asked."""
+    def recv_into_file(self, fd: int, size: int, check: StreamCheck | None = None, *, at: int | None = None) -> None:
+        """Receive exactly ``size`` raw bytes into an open file (at its position, or at offset ``at``),
+        checking items on the way if asked."""
         try:
-            receive_into_file(self.sock, fd, size, check)
+            receive_into_file(self.sock, fd, size, check, at=at)
         except TransferClosed as exc:
             raise p.ProtocolViolation(str(exc)) from None
 
-    def send_file(self, path: Path, size: int) -> None:
-        """Send exactly ``size`` bytes of ``path`` with sendfile (no copy through user space)."""
+    def send_file(self, path: Path, size: int, offset: int = 0, length: int | None = None) -> None:
+        """Send ``length`` bytes (default: all) of ``path``, ``size`` bytes long, from ``offset``,
+        with sendfile (no copy through user space)."""
+        count = size - offset if length is None else length
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size != size:
                 raise PeerError(f"{path} changed size while being sent")
             # socket.sendfile: os.sendfile under the hood, waiting for room within the socket's timeout
-            sent = self.sock.sendfile(f, 0, size) if size else 0
-            if sent != size:
-                raise PeerError(f"short send of {path}: {sent} of {size} bytes")
+            sent = self.sock.sendfile(f, offset, count) if count else 0
+            if sent != count:
+                raise PeerError(f"short send of {path}: {sent} of {count} bytes")
 
     def close(self) -> None:
         try:
@@ -140,6 +143,15 @@ class PeerClient(Connection):
         finally:
             os.close(fd)
         return size
+
+    def get_range_into(self, namespace: str, origin: str, step: int, name: str, fd: int, offset: int, length: int,
+                       check: StreamCheck | None) -> None:
+        """Fetch bytes ``[offset, offset + length)`` of one file into ``fd`` at the same offset."""
+        reply = self.call({"op": "get", "ns": namespace, "origin": origin, "step": step, "name": name,
+                           "offset": offset, "length": length})
+        if reply.get("size") != length:
+            raise p.ProtocolViolation(f"asked for {length} bytes of {name}, offered {reply.get('size')!r}")
+        self.recv_into_file(fd, length, check, at=offset)
 
     def put(self, namespace: str, origin: str, step: int, save_id: str, files: Sequence[tuple[str, Path | bytes]],
             keep: Sequence[int]) -> None:

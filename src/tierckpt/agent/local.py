@@ -15,6 +15,7 @@ import os
 import shutil
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +23,8 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import PeerClient, PeerError
 from tierckpt.agent.server import reply_error
-from tierckpt.agent.transfer import StreamCheck
-from tierckpt.errors import IntegrityError, TierckptError
+from tierckpt.agent.transfer import StreamCheck, split_ranges
+from tierckpt.errors import IntegrityError, StorageError, TierckptError
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent, Holder
@@ -185,6 +186,9 @@ def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
     if size is None:
         raise IntegrityError(f"{where}: not listed in the manifest")
     check = StreamCheck.for_file(manifest, name, size, where)
+    if check is not None and agent.config.fetch_streams > 1 and size >= 2 * agent.config.fetch_part_bytes:
+        _get_parallel(agent, h, ns, step, name, dest, size, check.records, where)
+        return
     client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
     try:
         client.sock.settimeout(max(60.0, size / 50e6))
@@ -193,6 +197,38 @@ def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
         client.close()
     if check is None:
         _check(dest, name, manifest, where)
+
+
+def _get_parallel(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path, size: int,
+                  records: list[layout.ItemRecord], where: str) -> None:
+    """Parts of one file over ``fetch_streams`` connections at once, each part's items checked on the way.
+
+    One TCP stream is bound by one core on each side; a node's NICs are not. Parts are cut
+    at item boundaries so each connection checks whole items while they arrive.
+    """
+    parts = split_ranges(records, size, agent.config.fetch_streams, agent.config.fetch_part_bytes)
+    if h.address is None:
+        raise StorageError(f"{where}: a parallel fetch needs a remote holder")
+    address = h.address
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+
+        def one(part: tuple[int, int, list[layout.ItemRecord]]) -> None:
+            offset, length, recs = part
+            client = PeerClient.connect(address, agent.node_id, agent.config.secret)
+            try:
+                client.sock.settimeout(max(60.0, length / 50e6))
+                client.get_range_into(ns, h.origin, step, name, fd, offset, length,
+                                      StreamCheck(recs, where, start=offset))
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="tierckpt-agent-fetch") as pool:
+            for future in [pool.submit(one, part) for part in parts]:
+                future.result()  # the first failure, after every part stopped
+    finally:
+        os.close(fd)
 
 
 def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path) -> None:

@@ -235,8 +235,12 @@ class Agent:
                 conn.send({"op": "error", "message": f"{req.namespace}/step_{req.step}/{req.name} is not held here"})
                 return
             size = src.stat().st_size
-            conn.send({"op": "file", "size": size})
-            conn.send_file(src, size)
+            length = size - req.offset if req.length is None else req.length
+            if req.offset + length > size or length < 0:
+                conn.send({"op": "error", "message": f"{req.name} has {size} bytes, not {req.offset}+{length}"})
+                return
+            conn.send({"op": "file", "size": length})
+            conn.send_file(src, size, req.offset, length)
         except PeerError as exc:
             raise p.ProtocolViolation(str(exc)) from exc
         finally:

@@ -20,7 +20,7 @@ import xxhash
 from tierckpt import layout
 from tierckpt.errors import IntegrityError
 
-__all__ = ["CHUNK", "StreamCheck", "TransferClosed", "receive_into_file"]
+__all__ = ["CHUNK", "StreamCheck", "TransferClosed", "receive_into_file", "split_ranges"]
 
 CHUNK = 8 << 20
 
@@ -38,11 +38,11 @@ class StreamCheck:
     the first item whose digest differed, or for an item beyond the bytes fed.
     """
 
-    def __init__(self, records: Sequence[layout.ItemRecord], where: str) -> None:
+    def __init__(self, records: Sequence[layout.ItemRecord], where: str, start: int = 0) -> None:
         self.records = list(records)
         self.where = where
         self._i = 0
-        self._pos = 0
+        self._pos = start  # the file offset of the next byte fed (a range fetch starts past 0)
         self._hash: xxhash.xxh3_128 | None = None
         self.error: str | None = None
 
@@ -87,8 +87,12 @@ class StreamCheck:
             raise IntegrityError(f"{self.where}: item at offset {r.offset} lies past the {self._pos} bytes received")
 
 
-def receive_into_file(sock: socket.socket, fd: int, size: int, check: StreamCheck | None) -> None:
+def receive_into_file(sock: socket.socket, fd: int, size: int, check: StreamCheck | None, *,
+                      at: int | None = None) -> None:
     """Receive exactly ``size`` raw bytes into ``fd``: one recv_into, the checksum, one write per chunk.
+
+    ``at`` None writes at the file position; an offset writes there (``pwrite``: several
+    connections may fill parts of one file at once).
 
     ``recv_into`` a reused buffer then ``write`` measured faster into tmpfs than receiving into
     a mapping of the destination (page faults per 4 KiB) and as fast as splice, which would
@@ -105,7 +109,34 @@ def receive_into_file(sock: socket.socket, fd: int, size: int, check: StreamChec
             check.update(view[:k])
         written = 0
         while written < k:
-            written += os.write(fd, view[written:k])
+            if at is None:
+                written += os.write(fd, view[written:k])
+            else:
+                written += os.pwrite(fd, view[written:k], at + size - left + written)
         left -= k
     if check is not None:
         check.finish()
+
+
+def split_ranges(records: Sequence[layout.ItemRecord], size: int, parts: int, min_part: int
+                 ) -> list[tuple[int, int, list[layout.ItemRecord]]]:
+    """Cut a file into at most ``parts`` contiguous ranges of at least ``min_part`` bytes, at item
+    boundaries, so that each range's items can be checked by its own stream: [(offset, length, records)].
+
+    ``records`` sorted by offset, not overlapping (``StreamCheck.for_file``'s condition).
+    """
+    n = max(1, min(parts, size // max(min_part, 1)))
+    cuts = [0]
+    for i in range(1, n):
+        target = size * i // n
+        # the first item boundary at or after the target, past the previous cut
+        edge = next((r.offset for r in records if r.offset >= target and r.offset > cuts[-1]), None)
+        if edge is None:
+            break
+        cuts.append(edge)
+    cuts.append(size)
+    out = []
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        if hi > lo:
+            out.append((lo, hi - lo, [r for r in records if lo <= r.offset < hi]))
+    return out
