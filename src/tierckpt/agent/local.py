@@ -23,7 +23,7 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import PeerClient, PeerError
 from tierckpt.agent.server import reply_error
-from tierckpt.agent.transfer import StreamCheck, split_ranges
+from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
 from tierckpt.errors import IntegrityError, StorageError, TierckptError
 
 if TYPE_CHECKING:
@@ -289,8 +289,6 @@ def _cached_manifest(cache_dir: Path, ns: str, step: int) -> layout.Manifest | N
 
 
 def _check(path: Path, name: str, manifest: layout.Manifest, where: str) -> None:
-    from tierckpt.agent.service import verify_file
-
     if name == layout.METADATA:
         if layout.checksum(path.read_bytes()) != manifest.metadata_xxh3:
             raise IntegrityError(f"{where}: fails its checksum")

@@ -9,10 +9,6 @@ the marker last, so one that is not complete and verified never counts.
 
 from __future__ import annotations
 
-import mmap
-import os
-import shutil
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -25,18 +21,15 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent.client import Connection, PeerClient, PeerError
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
+from tierckpt.agent.receive import receive_replica
 from tierckpt.agent.server import LocalServer, PeerServer
 from tierckpt.agent.store import Held, NodeStore, select_evictions
-from tierckpt.agent.transfer import StreamCheck
-from tierckpt.errors import IntegrityError, TierckptError
-from tierckpt.integrity import verify_items
+from tierckpt.errors import TierckptError
 from tierckpt.observability import get_logger, throughput
 
 __all__ = ["Agent", "ring_targets"]
 
 _log = get_logger("agent")
-_SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
-MAX_SMALL = 64 << 20
 PEER_REFRESH_S = 5.0
 DRAIN_CHECK_S = 30.0  # listing an S3 durable tier every scan would be a LIST a second per namespace
 
@@ -221,7 +214,7 @@ class Agent:
         elif isinstance(req, p.Get):
             self._serve_get(req, conn)
         elif isinstance(req, p.Put):
-            self._receive(req, conn, peer)
+            receive_replica(self, req, conn, peer)
         else:
             conn.send({"op": "status", **self.status()})
 
@@ -246,102 +239,6 @@ class Agent:
         finally:
             if pin is not None:
                 tier.unpin(pin)
-
-    def _receive(self, req: p.Put, conn: Connection, peer: str) -> None:
-        if req.origin == self.node_id or req.origin != peer:
-            raise p.ProtocolViolation(f"node {peer} may only send its own steps")
-        if any(n in _SMALL and s > MAX_SMALL for n, s in req.files):
-            raise p.ProtocolViolation("a metadata file larger than 64 MiB")
-        if not self.enforce_budget(req.nbytes):
-            raise p.ProtocolViolation(f"no room for {req.nbytes} bytes within the node budget")
-        tier = self.store.replica(req.origin, req.namespace)
-        staging = tier.staging_dir(req.step, req.save_id)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        (staging / f".owner-{socket.gethostname()}-{os.getpid()}").touch()
-        t0 = time.perf_counter()
-        try:
-            small = self._receive_files(req, conn, staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        if isinstance(small, IntegrityError):
-            shutil.rmtree(staging, ignore_errors=True)
-            self.metrics.replicas_rejected.inc()
-            conn.send({"op": "error", "message": f"replica rejected: {small}"})
-            return
-        tier.commit(req.step, req.save_id, {layout.METADATA: small[layout.METADATA],
-                                            layout.MANIFEST: small[layout.MANIFEST]})
-        for s in tier.list_steps():
-            if s.step != req.step and s.step not in req.keep:
-                tier.delete(s.step)  # the origin no longer holds it
-        _log.info("[Agent %s] Step %d: stored a replica of %s from %s in %s", self.node_id, req.step,
-                  req.namespace, req.origin, throughput(req.nbytes, time.perf_counter() - t0))
-        conn.send({"op": "stored"})
-
-    def _receive_files(self, req: p.Put, conn: Connection, staging: Path) -> dict[str, bytes] | IntegrityError:
-        """Every announced byte into ``staging``; the small files, or the reason the replica is bad.
-
-        Data files that follow a sealed manifest are checked while they arrive (one pass);
-        any that come before it are checked afterwards. Every announced byte is read either
-        way, so the connection stays in step for the reply.
-        """
-        where = f"replica {req.namespace}/step_{req.step} from {req.origin}"
-        small: dict[str, bytes] = {}
-        manifest: layout.Manifest | None = None
-        problem: IntegrityError | None = None
-        unchecked: list[str] = []
-        for name, size in req.files:
-            if name in _SMALL:
-                small[name] = conn._exact(size)
-                if manifest is None and problem is None and set(small) == set(_SMALL):
-                    try:
-                        manifest = self._sealed_manifest(req, small, where)
-                    except IntegrityError as exc:
-                        problem = exc
-                continue
-            check = None
-            if manifest is not None and problem is None:
-                try:
-                    if manifest.files.get(name) != size:
-                        raise IntegrityError(f"{where}: {name} is not in the manifest with {size} bytes")
-                    check = StreamCheck.for_file(manifest, name, size, f"{where}/{name}")
-                except IntegrityError as exc:
-                    problem = exc
-            fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                conn.recv_into_file(fd, size, check)
-            except IntegrityError as exc:
-                problem = problem or exc
-            finally:
-                os.close(fd)
-            if check is None:
-                unchecked.append(name)
-        if problem is not None:
-            return problem
-        try:
-            if manifest is None:
-                manifest = self._sealed_manifest(req, small, where)
-            sizes = dict(req.files)
-            for name in unchecked:
-                if manifest.files.get(name) != sizes[name]:
-                    raise IntegrityError(f"{where}: {name} is not in the manifest with {sizes[name]} bytes")
-                verify_file(staging / name, [r for r in manifest.items if r.file == name], f"{where}/{name}")
-        except IntegrityError as exc:
-            return exc
-        return small
-
-    @staticmethod
-    def _sealed_manifest(req: p.Put, small: dict[str, bytes], where: str) -> layout.Manifest:
-        if set(small) != set(_SMALL):
-            raise IntegrityError("a replica needs .metadata, manifest.json and COMMITTED")
-        save_id = layout.check_marker(small[layout.MARKER], small[layout.MANIFEST], where=where)
-        mf = layout.Manifest.from_bytes(small[layout.MANIFEST], where=where)
-        if (mf.namespace, mf.step, mf.save_id, save_id) != (req.namespace, req.step, req.save_id, req.save_id):
-            raise IntegrityError(f"{where}: manifest names {mf.namespace}/step_{mf.step} save {mf.save_id}")
-        if layout.checksum(small[layout.METADATA]) != mf.metadata_xxh3:
-            raise IntegrityError(f"{where}: .metadata fails its checksum")
-        return mf
 
     # -- local requests -------------------------------------------------------------------
     def handle_local(self, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -426,18 +323,3 @@ class Agent:
     def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
         with self._lock:
             return self._fetch_locks.setdefault(key, threading.Lock())
-
-
-def verify_file(path: Path, records: list[layout.ItemRecord], where: str) -> None:
-    """Every item's checksum over a local file (mapped read-only)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            verify_items(memoryview(b""), records, where)
-            return
-        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-            view = memoryview(mm)
-            try:
-                verify_items(view, records, where)
-            finally:
-                view.release()

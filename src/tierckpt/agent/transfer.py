@@ -11,16 +11,19 @@ manifest's records cannot be checked in stream order: the caller then verifies a
 
 from __future__ import annotations
 
+import mmap
 import os
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 import xxhash
 
 from tierckpt import layout
 from tierckpt.errors import IntegrityError
+from tierckpt.integrity import verify_items
 
-__all__ = ["CHUNK", "StreamCheck", "TransferClosed", "receive_into_file", "split_ranges"]
+__all__ = ["CHUNK", "StreamCheck", "TransferClosed", "receive_into_file", "split_ranges", "verify_file"]
 
 CHUNK = 8 << 20
 
@@ -140,3 +143,18 @@ def split_ranges(records: Sequence[layout.ItemRecord], size: int, parts: int, mi
         if hi > lo:
             out.append((lo, hi - lo, [r for r in records if lo <= r.offset < hi]))
     return out
+
+
+def verify_file(path: Path, records: list[layout.ItemRecord], where: str) -> None:
+    """Every item's checksum over a local file (mapped read-only)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            verify_items(memoryview(b""), records, where)
+            return
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+            view = memoryview(mm)
+            try:
+                verify_items(view, records, where)
+            finally:
+                view.release()
