@@ -189,6 +189,9 @@ def test_hostile_clients_are_disconnected_and_good_ones_served(node_dir, agent) 
     good = PeerClient.connect(a.address, "node-y", SECRET)
     steps = good.list(NS)
     assert [(e["step"], e["origin"]) for e in steps] == [(1, "node-a")]
+    with pytest.raises(PeerError, match="bytes, not"):  # a range past the end: refused, the connection lives on
+        good.call({"op": "get", "ns": NS, "origin": "node-a", "step": 1, "name": layout.MANIFEST,
+                   "offset": 1 << 30, "length": 5})
     dest = Path(a_dir, "fetched")
     assert good.get_into(NS, "node-a", 1, layout.MANIFEST, dest) == dest.stat().st_size > 0
     good.close()
