@@ -26,7 +26,7 @@ def test_bench_replication_reports_every_figure(tmp_path: Path, capsys: pytest.C
         assert line in text, line
     doc = json.loads(out_json.read_text())
     assert doc["bytes"] >= 4 << 20
-    assert set(doc["median_s"]) == {"replication_s", "socket_copy_s", "restore_peer_s", "restore_durable_s",
-                                    "restore_s3_s"}
+    assert set(doc["median_s"]) == {"replication_s", "socket_copy_s", "restore_peer_s", "peer_fetch_s",
+                                    "restore_durable_s", "restore_s3_s"}
     assert all(v > 0 for v in doc["median_s"].values())
     assert doc["restore_peer_vs_s3"] > 0 and doc["blocking"]["saves"] == 1

@@ -133,6 +133,11 @@ def _format_status(s: dict[str, Any]) -> str:
         rate = last["bytes"] / last["seconds"] / 1e6 if last.get("seconds") else 0.0
         lines.append(f"last replication: {last['namespace']} step {last['step']} to {last['to']}, "
                      f"{last['bytes'] / 1e6:.1f} MB in {last['seconds']:.3f}s ({rate:.0f} MB/s)")
+    fetch = s.get("last_fetch") or {}
+    if fetch:
+        rate = fetch["bytes"] / fetch["seconds"] / 1e6 if fetch.get("seconds") else 0.0
+        lines.append(f"last fetch for a load: {fetch['namespace']} step {fetch['step']} {fetch['name']} from "
+                     f"{fetch['from']}, {fetch['bytes'] / 1e6:.1f} MB in {fetch['seconds']:.3f}s ({rate:.0f} MB/s)")
     for ns, info in sorted(s.get("namespaces", {}).items()):
         rep = info.get("replicated") or {}
         where = f"step {rep['step']} on {', '.join(rep['to'])}" if rep.get("to") else "not yet"

@@ -159,11 +159,17 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
         tmp = step_dir.parent / layout.STAGING / f"{step}.{name}.{uuid.uuid4().hex[:8]}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
         try:
+            t0 = time.perf_counter()
             _get_verified(agent, h, ns, step, name, tmp, manifest)
             step_dir.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, step_dir / name)
-            agent.metrics.fetched_bytes.inc((step_dir / name).stat().st_size)
-            return {"ok": True, "holder": h.node, "origin": h.origin}
+            seconds = time.perf_counter() - t0
+            nbytes = (step_dir / name).stat().st_size
+            agent.metrics.fetched_bytes.inc(nbytes)
+            agent.metrics.fetch_seconds.set(seconds)
+            agent.last_fetch = {"namespace": ns, "step": step, "name": name, "from": h.node, "bytes": nbytes,
+                                "seconds": round(seconds, 4)}
+            return {"ok": True, "holder": h.node, "origin": h.origin, "seconds": seconds}
         except IntegrityError as exc:
             bad = True
             errors.append(str(exc))

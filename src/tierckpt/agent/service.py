@@ -72,6 +72,7 @@ class Agent:
         self.drain_lag: dict[str, dict[str, Any]] = {}
         self._drain_checked = float("-inf")
         self.last_replication: dict[str, Any] = {}
+        self.last_fetch: dict[str, Any] = {}
         Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
         self.store.gc()
         self.peer_server = PeerServer(self, *config.listen)
@@ -292,6 +293,7 @@ class Agent:
             "held_bytes": {k: sum(h.nbytes for h in held if h.kind == k) for k in ("own", "replica", "cache")},
             "replication_lag_s": self.metrics.replication_lag_seconds.value(),
             "last_replication": self.last_replication,
+            "last_fetch": self.last_fetch,
             "evictions": {k: self.metrics.evictions.value(kind=k) for k in ("cache", "replica")},
             "drain": self.drain_state,
         }

