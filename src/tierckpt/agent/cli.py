@@ -136,7 +136,7 @@ def _format_status(s: dict[str, Any]) -> str:
     fetch = s.get("last_fetch") or {}
     if fetch:
         rate = fetch["bytes"] / fetch["seconds"] / 1e6 if fetch.get("seconds") else 0.0
-        lines.append(f"last fetch for a load: {fetch['namespace']} step {fetch['step']} {fetch['name']} from "
+        lines.append(f"last data file fetched for a load: {fetch['namespace']} step {fetch['step']} {fetch['name']} from "
                      f"{fetch['from']}, {fetch['bytes'] / 1e6:.1f} MB in {fetch['seconds']:.3f}s ({rate:.0f} MB/s)")
     for ns, info in sorted(s.get("namespaces", {}).items()):
         rep = info.get("replicated") or {}
