@@ -87,7 +87,7 @@ def test_wiped_node_loads_its_shards_from_a_peer_replica(node_dir, agent, stream
     assert _equal(sd, _state(3))
     status = a.status()
     assert status["node"] == "node-a"
-    assert status["last_fetch"]["name"] == "__0_0.distcp" and status["last_fetch"]["from"] == "node-b"
+    assert status["last_fetch"]["name"].endswith(".distcp") and status["last_fetch"]["from"] == "node-b"
 
 
 def test_corrupted_replica_is_skipped_for_another_holder_then_durable(node_dir, agent, tmp_path) -> None:
@@ -268,7 +268,7 @@ def test_status_and_metrics_show_steps_replicas_budget_and_lags(node_dir, agent,
     assert _metric(metrics, "tierckpt_agent_replication_lag_namespaces") == 0
     assert _metric(metrics, "tierckpt_agent_replication_lag_seconds") == 0
     assert _metric(metrics, "tierckpt_agent_drain_lag_steps") == 2
-    assert "# TYPE tierckpt_agent_fetch_seconds gauge" in metrics
+    assert "# TYPE tierckpt_agent_fetch_seconds_total counter" in metrics
     a.flush(NS)
     assert _metric(a._agent.metrics.registry.render(), "tierckpt_agent_drain_lag_steps") == 0
     b.tick()

@@ -166,8 +166,8 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
             seconds = time.perf_counter() - t0
             nbytes = (step_dir / name).stat().st_size
             agent.metrics.fetched_bytes.inc(nbytes)
+            agent.metrics.fetch_seconds.inc(seconds)
             if name not in _SMALL:  # the data files are what a restore waits for
-                agent.metrics.fetch_seconds.set(seconds)
                 agent.last_fetch = {"namespace": ns, "step": step, "name": name, "from": h.node, "bytes": nbytes,
                                     "seconds": round(seconds, 4)}
             return {"ok": True, "holder": h.node, "origin": h.origin, "seconds": seconds}

@@ -24,7 +24,7 @@ class AgentMetrics:
         self.replication_failures = r.counter("tierckpt_agent_replication_failures_total", "Failed replications")
         self.replicas_rejected = r.counter("tierckpt_agent_replicas_rejected_total", "Received replicas that failed verification")
         self.fetched_bytes = r.counter("tierckpt_agent_fetched_bytes_total", "Bytes fetched from peers for loads")
-        self.fetch_seconds = r.gauge("tierckpt_agent_fetch_seconds", "Duration of the last data file fetched for a load")
+        self.fetch_seconds = r.counter("tierckpt_agent_fetch_seconds_total", "Seconds spent fetching files for loads")
         self.evictions = r.counter("tierckpt_agent_evictions_total", "Copies evicted by the node budget", ("kind",))
         self.rejected = r.counter("tierckpt_agent_rejected_connections_total", "Peer connections closed for a protocol violation")
         self.drain_lag = r.gauge("tierckpt_agent_drain_lag_steps",

