@@ -3,6 +3,7 @@ transfers, hostile clients, the node budget and flush. Each node is an agent wit
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import socket
@@ -71,24 +72,30 @@ def test_committed_step_is_replicated_bitwise(node_dir, agent) -> None:
     assert verify_copy(NodeStore(b_dir, "node-b").replica("node-a", NS), 2, NS).ok
 
 
-def test_wiped_node_loads_its_shards_from_a_peer_replica(node_dir, agent) -> None:
+@pytest.mark.parametrize("streams", [1, 4], ids=["one-stream", "parts-in-parallel"])
+def test_wiped_node_loads_its_shards_from_a_peer_replica(node_dir, agent, streams: int) -> None:
     a_dir, b_dir = node_dir("a"), node_dir("b")
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
-    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET)
+    # parts of >= 4 KiB: the 64 KiB tensor and the small items arrive over separate connections
+    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET, fetch_streams=streams,
+              fetch_part_bytes=4096)
     _save(a_dir, [3])
     wait_for(lambda: _replica_steps(b_dir, "node-a") == [3], "replica of step 3")
     shutil.rmtree(Path(a_dir, NS))  # the node lost its memory tier (the agent's socket stays)
     step, tiers, sd = _load(a_dir)
     assert (step, tiers) == (3, ["peer"])
     assert _equal(sd, _state(3))
-    assert a.status()["node"] == "node-a"
+    status = a.status()
+    assert status["node"] == "node-a"
+    assert status["last_fetch"]["name"].endswith(".distcp") and status["last_fetch"]["from"] == "node-b"
 
 
 def test_corrupted_replica_is_skipped_for_another_holder_then_durable(node_dir, agent, tmp_path) -> None:
     a_dir, b_dir, c_dir = node_dir("a"), node_dir("b"), node_dir("c")
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
     c = agent(memory_dir=c_dir, node_id="node-c", secret=SECRET)
-    agent(memory_dir=a_dir, node_id="node-a", peers=(b.address, c.address), replicas=2, secret=SECRET)
+    agent(memory_dir=a_dir, node_id="node-a", peers=(b.address, c.address), replicas=2, secret=SECRET,
+          fetch_part_bytes=4096)  # fetched in parts over parallel connections, each checked on the way
     durable = f"file://{tmp_path / 'durable'}"
     _save(a_dir, [4], durable_url=durable, durable_every_n_steps=1)
     wait_for(lambda: _replica_steps(b_dir, "node-a") == [4] and _replica_steps(c_dir, "node-a") == [4], "two replicas")
@@ -184,6 +191,9 @@ def test_hostile_clients_are_disconnected_and_good_ones_served(node_dir, agent) 
     good = PeerClient.connect(a.address, "node-y", SECRET)
     steps = good.list(NS)
     assert [(e["step"], e["origin"]) for e in steps] == [(1, "node-a")]
+    with pytest.raises(PeerError, match="bytes, not"):  # a range past the end: refused, the connection lives on
+        good.call({"op": "get", "ns": NS, "origin": "node-a", "step": 1, "name": layout.MANIFEST,
+                   "offset": 1 << 30, "length": 5})
     dest = Path(a_dir, "fetched")
     assert good.get_into(NS, "node-a", 1, layout.MANIFEST, dest) == dest.stat().st_size > 0
     good.close()
@@ -226,3 +236,50 @@ def test_flush_drains_the_newest_step_to_durable(node_dir, agent, tmp_path) -> N
     shutil.rmtree(Path(a_dir, NS))
     step, tiers, sd = _load(a_dir, durable_url=url)
     assert (step, tiers) == (8, ["durable"]) and _equal(sd, _state(8))
+
+
+def _metric(text: str, line_start: str) -> float:
+    lines = [ln for ln in text.splitlines() if ln.startswith(line_start)]
+    assert lines, f"no {line_start} in the metrics"
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_status_and_metrics_show_steps_replicas_budget_and_lags(node_dir, agent, tmp_path, capsys) -> None:
+    from tierckpt.agent.cli import add_arguments, main
+
+    a_dir, b_dir = node_dir("a"), node_dir("b")
+    url = f"file://{tmp_path / 'durable'}"
+    b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET, budget_bytes=1 << 30)
+    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET, durable_url=url)
+    _save(a_dir, [1, 2], memory_steps_retained=2)
+    wait_for(lambda: 2 in _replica_steps(b_dir, "node-a"), "step 2 replicated to node-b")
+    a.tick()  # the replication of step 2 is recorded before the gauges are read
+    st = local_request(a_dir, {"op": "status"})
+    assert st["namespaces"][NS]["steps"] == [1, 2]
+    assert st["namespaces"][NS]["replicated"] == {"step": 2, "to": ["node-b"]}
+    assert st["namespaces"][NS]["drain"] == {"newest_memory": 2, "newest_durable": None, "lag_steps": 2}
+    assert st["replication_lag_s"] == 0 and st["last_replication"]["to"] == "node-b"
+    held = _replica_steps(b_dir, "node-a")  # [2], or [1, 2] when step 1 was sent before step 2 existed
+    assert local_request(b_dir, {"op": "status"})["replicas_held"] == {"node-a": {NS: held}}
+    metrics = a._agent.metrics.registry.render()
+    assert _metric(metrics, 'tierckpt_agent_held_bytes{kind="own"}') > 0
+    assert _metric(metrics, "tierckpt_agent_replicated_bytes_total") > 0
+    assert _metric(metrics, "tierckpt_agent_replication_bytes_per_second") > 0
+    assert _metric(metrics, "tierckpt_agent_replication_lag_namespaces") == 0
+    assert _metric(metrics, "tierckpt_agent_replication_lag_seconds") == 0
+    assert _metric(metrics, "tierckpt_agent_drain_lag_steps") == 2
+    assert "# TYPE tierckpt_agent_fetch_seconds_total counter" in metrics
+    a.flush(NS)
+    assert _metric(a._agent.metrics.registry.render(), "tierckpt_agent_drain_lag_steps") == 0
+    b.tick()
+    b_metrics = b._agent.metrics.registry.render()
+    assert _metric(b_metrics, 'tierckpt_agent_held_bytes{kind="replica"}') > 0
+    assert "# TYPE tierckpt_agent_evictions_total counter" in b_metrics
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert main(parser.parse_args(["status", "--memory-dir", b_dir])) == 0
+    out = capsys.readouterr().out
+    assert "node node-b" in out and "MiB used of 1024.0 MiB" in out and f"replica of node-a: {NS} steps {held}" in out
+    assert main(parser.parse_args(["status", "--memory-dir", a_dir])) == 0
+    out = capsys.readouterr().out
+    assert f"{NS}: steps [1, 2]; replicas: step 2 on node-b; drain lag 0 steps (newest durable 2)" in out

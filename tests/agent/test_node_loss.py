@@ -1,8 +1,8 @@
 """The key scenario, in real processes: three nodes (an agent process and one gloo worker
 each, no durable tier) save; one node is lost (its agent SIGKILLed, its memory root wiped)
 and comes back empty with a fresh agent; the job resumes from the newest step, the new
-node's shards coming from a replica, bitwise equal. Also: an agent killed in the middle of
-receiving a replica leaves nothing that counts."""
+node's shards coming from a replica, bitwise equal. The same with k=2 and two nodes lost.
+Also: an agent killed in the middle of receiving a replica leaves nothing that counts."""
 
 from __future__ import annotations
 
@@ -73,38 +73,44 @@ def _load(rank: int, dirs: list[str]) -> dict:
         return {"step": step, "tiers": ck.last_load["tiers"], "state": to_wire(sd)}
 
 
-def _replicated(memory_dir: str, step: int) -> bool:
+def _replicated(memory_dir: str, step: int, k: int) -> bool:
     try:
         info = local_request(memory_dir, {"op": "status"}, timeout=5)["namespaces"].get(NS, {})
     except tierckpt.StorageError:
         return False
-    return bool(info.get("replicated", {}).get("step") == step and info["replicated"].get("to"))
+    return bool(info.get("replicated", {}).get("step") == step and len(info["replicated"].get("to", [])) >= k)
 
 
-def test_lost_node_resumes_from_a_replica(node_dir) -> None:
+@pytest.mark.parametrize(("k", "lost"), [(1, [2]), (2, [1, 2])], ids=["k1-one-lost", "k2-two-lost"])
+def test_lost_nodes_resume_from_replicas(node_dir, k: int, lost: list[int]) -> None:
     dirs = [node_dir(f"n{i}") for i in range(3)]
     ports = [_free_port() for _ in range(3)]
     ids = [f"node-{i}" for i in range(3)]
-    procs = [_start_agent(d, n, port, [q for q in ports if q != port]) for d, n, port in zip(dirs, ids, ports, strict=True)]
+    procs = [_start_agent(d, n, port, [q for q in ports if q != port], replicas=k)
+             for d, n, port in zip(dirs, ids, ports, strict=True)]
     try:
         for proc in procs:
             _ready(proc)
         run_ranks(_save, 3, dirs, [1, 2, 3], timeout=120)
         for d in dirs:
-            wait_for(lambda d=d: _replicated(d, 3), f"step 3 of {d} replicated")
-        procs[2].send_signal(signal.SIGKILL)  # node 2 is lost: its agent, and (below) its memory
-        _stop(procs[2])
-        shutil.rmtree(dirs[2])
-        os.mkdir(dirs[2])
-        procs[2] = _start_agent(dirs[2], ids[2], ports[2], ports[:2])
-        _ready(procs[2])
+            wait_for(lambda d=d: _replicated(d, 3, k), f"step 3 of {d} replicated to {k} nodes")
+        for n in lost:  # the node is lost: its agent (SIGKILL) and its memory
+            _stop(procs[n])
+            shutil.rmtree(dirs[n])
+            os.mkdir(dirs[n])
+        for n in lost:  # replaced by fresh nodes with the same identities
+            procs[n] = _start_agent(dirs[n], ids[n], ports[n], [q for q in ports if q != ports[n]], replicas=k)
+            _ready(procs[n])
         results = run_ranks(_load, 3, dirs, timeout=120)
         for rank, out in enumerate(results):
             assert out["step"] == 3, out["step"]
             assert_state_equal(from_wire(out["state"]), small_state(3, rank))
-        assert "peer" in results[2]["tiers"] and "memory" not in results[2]["tiers"], results[2]["tiers"]
-        # the replica node 2's shards came from is the one node 1's agent holds (ring: 2 → 0)
-        assert [s.step for s in NodeStore(dirs[0], ids[0]).replica(ids[2], NS).list_steps()][-1] == 3
+        for n in lost:
+            assert "peer" in results[n]["tiers"] and "memory" not in results[n]["tiers"], results[n]["tiers"]
+        # the only surviving copies of the lost nodes' shards are the replicas node 0 holds
+        # (k=1: the ring 2 → 0; k=2: node 0 holds both other nodes' steps)
+        for n in lost:
+            assert [s.step for s in NodeStore(dirs[0], ids[0]).replica(ids[n], NS).list_steps()][-1] == 3
     finally:
         for proc in procs:
             _stop(proc)

@@ -1,14 +1,20 @@
-"""The agent's pure parts: framing, request validation, the ring, the budget's eviction order."""
+"""The agent's pure parts: framing, request validation, the ring, the budget's eviction order, the
+in-stream item check."""
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import pytest
 
+from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.config import AgentConfig, parse_budget
 from tierckpt.agent.service import ring_targets
 from tierckpt.agent.store import Held, select_evictions
-from tierckpt.errors import ConfigError
+from tierckpt.agent.transfer import StreamCheck, split_ranges
+from tierckpt.errors import ConfigError, IntegrityError
 
 
 def test_frames_round_trip_and_reject_garbage() -> None:
@@ -108,3 +114,70 @@ def test_budget_and_config_validation() -> None:
     with pytest.raises(ConfigError, match="node id"):
         AgentConfig(memory_dir="/dev/shm/x", node_id="a/b")
     assert AgentConfig(memory_dir="/dev/shm/x").node_id == AgentConfig(memory_dir="/dev/shm/x/").node_id
+
+
+def _records(data: bytes, spans: list[tuple[int, int]]) -> list[layout.ItemRecord]:
+    return [layout.ItemRecord("__0_0.distcp", off, n, -1, layout.checksum(data[off : off + n])) for off, n in spans]
+
+
+def _feed(check: StreamCheck, data: bytes, chunk: int) -> None:
+    for i in range(0, len(data), chunk):
+        check.update(memoryview(data)[i : i + chunk])
+    check.finish()
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_stream_check_verifies_each_item_in_one_pass_whatever_the_chunks(chunk: int) -> None:
+    data = bytes(random.Random(chunk).getrandbits(8) for _ in range(20_000))
+    spans = [(0, 100), (100, 0), (128, 5000), (5128, 1), (9000, 11_000)]  # gaps, an empty item, to the end
+    mf = SimpleNamespace(items=_records(data, spans))
+    check = StreamCheck.for_file(mf, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert check is not None
+    _feed(check, data, chunk)
+    bad = bytearray(data)
+    bad[3000] ^= 0xFF  # inside the third item
+    check = StreamCheck.for_file(mf, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert check is not None
+    with pytest.raises(IntegrityError, match="offset 128 "):
+        _feed(check, bytes(bad), chunk)
+    gap = bytearray(data)
+    gap[7000] ^= 0xFF  # between items: no record covers it, as for verify_items
+    check = StreamCheck.for_file(mf, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert check is not None
+    _feed(check, bytes(gap), chunk)
+
+
+def test_stream_check_refuses_what_it_cannot_check_in_order() -> None:
+    data = bytes(range(256)) * 4
+    overlapping = SimpleNamespace(items=_records(data, [(0, 100), (50, 100)]))
+    assert StreamCheck.for_file(overlapping, "__0_0.distcp", len(data), "w") is None  # type: ignore[arg-type]
+    past_end = SimpleNamespace(items=_records(data, [(0, 100), (1000, 100)]))
+    with pytest.raises(IntegrityError, match="past the file"):
+        StreamCheck.for_file(past_end, "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    short = StreamCheck.for_file(SimpleNamespace(items=_records(data, [(0, 1000)])), "__0_0.distcp", len(data), "w")  # type: ignore[arg-type]
+    assert short is not None
+    short.update(memoryview(data)[:500])
+    with pytest.raises(IntegrityError, match="past the 500 bytes"):
+        short.finish()
+
+
+def test_parts_for_parallel_fetches_cut_at_item_boundaries_and_cover_the_file() -> None:
+    data = bytes(1000)
+    recs = _records(data, [(0, 100), (100, 300), (400, 50), (450, 500), (950, 50)])
+    parts = split_ranges(recs, 1000, 4, 100)
+    # cuts at the first item at or past 250, 500 and 750 (none past 950: three parts)
+    assert [(o, n) for o, n, _ in parts] == [(0, 400), (400, 550), (950, 50)]
+    assert [[r.offset for r in rs] for _, _, rs in parts] == [[0, 100], [400, 450], [950]]
+    assert [(o, n) for o, n, _ in split_ranges(recs, 1000, 4, 600)] == [(0, 1000)]  # parts too small: one
+    assert [(o, n) for o, n, _ in split_ranges(recs, 1000, 2, 100)] == [(0, 950), (950, 50)]
+    mf = SimpleNamespace(items=recs)
+    check = StreamCheck(parts[1][2], "w", start=parts[1][0])  # a part checks its own items from its offset
+    check.update(memoryview(data)[400:950])
+    check.finish()
+    assert StreamCheck.for_file(mf, "__0_0.distcp", 1000, "w") is not None  # type: ignore[arg-type]
+    assert p.parse_request({"op": "get", "ns": "run1", "origin": "n", "step": 1, "name": "COMMITTED",
+                            "offset": 5, "length": 7}) == p.Get("run1", "n", 1, "COMMITTED", 5, 7)
+    for offset, length in ((-1, 5), (0, -5), (True, 5), (0, 1 << 41)):
+        with pytest.raises(p.ProtocolViolation):
+            p.parse_request({"op": "get", "ns": "run1", "origin": "n", "step": 1, "name": "COMMITTED",
+                             "offset": offset, "length": length})

@@ -40,6 +40,7 @@ class AgentHandle:
 
     def __init__(self, agent: Agent) -> None:
         self._agent = agent
+        self._closed = False
         self.address: tuple[str, int] = agent.address
         self.node_id: str = agent.node_id
         self.config: AgentConfig = agent.config
@@ -57,7 +58,10 @@ class AgentHandle:
         self._agent.tick()
 
     def close(self) -> None:
-        self._agent.close()
+        """Stop the agent; a second call does nothing."""
+        if not self._closed:
+            self._closed = True
+            self._agent.close()
 
     def __enter__(self) -> AgentHandle:
         return self

@@ -2,7 +2,7 @@
 
     tierckpt agent serve [--memory-dir DIR] [--listen HOST:PORT] [--peers H:P,...] [--node-id ID]
                          [--replicas K] [--secret-file F] [--memory-budget 40%|BYTES]
-                         [--durable-url URL] [--metrics-port N] [--address-file F]
+                         [--durable-url URL] [--metrics-port N] [--address-file F] [--fetch-streams N]
     tierckpt agent status [--memory-dir DIR] [--json]
     tierckpt agent flush  [--memory-dir DIR] [--namespace NS]
 The secret comes from --secret-file, else $TIERCKPT_AGENT_SECRET; without one, loopback only.
@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.add_argument("--address-file", help="write the bound HOST:PORT here once listening")
     s.add_argument("--scan-interval", type=float, default=1.0)
+    s.add_argument("--fetch-streams", type=int, default=4,
+                   help="connections one large file's fetch for a load uses at once (parts >= 64 MiB)")
     for name, text in (("status", "what the node's agent holds and where its replicas are"),
                        ("flush", "drain each namespace's newest memory step to durable, and wait")):
         c = sub.add_parser(name, help=text)
@@ -56,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     return AgentConfig(memory_dir=os.path.abspath(args.memory_dir), listen=parse_address(args.listen), peers=peers,
                        node_id=args.node_id, replicas=args.replicas, secret=read_secret(args.secret_file),
                        budget_bytes=budget, durable_url=args.durable_url, scan_interval_s=args.scan_interval,
-                       metrics_port=args.metrics_port)
+                       metrics_port=args.metrics_port, fetch_streams=args.fetch_streams)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -115,14 +117,34 @@ def _format_status(s: dict[str, Any]) -> str:
     lines = [f"node {s['node']}  peers at {s['address']}  memory {s['memory_dir']}"]
     budget = s.get("budget_bytes")
     used = s.get("used_bytes", 0)
-    lines.append(f"budget: {used / 2**20:.1f} MiB used" + (f" of {budget / 2**20:.1f} MiB" if budget else " (no cap)"))
+    held = s.get("held_bytes", {})
+    lines.append(f"budget: {used / 2**20:.1f} MiB used" + (f" of {budget / 2**20:.1f} MiB ({100 * used / budget:.0f} %)"
+                                                          if budget else " (no cap)")
+                 + "; held: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in sorted(held.items())))
+    evictions = s.get("evictions", {})
+    if any(evictions.values()):
+        lines.append("evicted: " + ", ".join(f"{int(v)} {k}" for k, v in sorted(evictions.items())))
     peers = s.get("peers", {})
     lines.append("peers: " + (", ".join(f"{n} ({a})" for a, n in peers.items()) or "none reachable"))
-    lines.append("replicating to: " + (", ".join(s.get("ring_targets", [])) or "nobody"))
+    lines.append("replicating to: " + (", ".join(s.get("ring_targets", [])) or "nobody")
+                 + f"; lag {s.get('replication_lag_s', 0):.1f}s")
+    last = s.get("last_replication") or {}
+    if last:
+        rate = last["bytes"] / last["seconds"] / 1e6 if last.get("seconds") else 0.0
+        lines.append(f"last replication: {last['namespace']} step {last['step']} to {last['to']}, "
+                     f"{last['bytes'] / 1e6:.1f} MB in {last['seconds']:.3f}s ({rate:.0f} MB/s)")
+    fetch = s.get("last_fetch") or {}
+    if fetch:
+        rate = fetch["bytes"] / fetch["seconds"] / 1e6 if fetch.get("seconds") else 0.0
+        lines.append(f"last data file fetched for a load: {fetch['namespace']} step {fetch['step']} {fetch['name']} from "
+                     f"{fetch['from']}, {fetch['bytes'] / 1e6:.1f} MB in {fetch['seconds']:.3f}s ({rate:.0f} MB/s)")
     for ns, info in sorted(s.get("namespaces", {}).items()):
         rep = info.get("replicated") or {}
         where = f"step {rep['step']} on {', '.join(rep['to'])}" if rep.get("to") else "not yet"
-        lines.append(f"  {ns}: steps {info['steps']}; replicas: {where}")
+        drain = info.get("drain") or {}
+        lag = (f"; drain lag {drain['lag_steps']} steps (newest durable {drain.get('newest_durable')})"
+               if "lag_steps" in drain else "")
+        lines.append(f"  {ns}: steps {info['steps']}; replicas: {where}{lag}")
     for origin, spaces in sorted(s.get("replicas_held", {}).items()):
         for ns, steps in sorted(spaces.items()):
             lines.append(f"  replica of {origin}: {ns} steps {steps}")

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.agent import protocol as p
+from tierckpt.agent.transfer import StreamCheck, TransferClosed, receive_into_file
+from tierckpt.errors import IntegrityError
 
 __all__ = ["Connection", "PeerClient", "PeerError"]
-
-CHUNK = 8 << 20
 
 
 class PeerError(Exception):
@@ -48,29 +48,25 @@ class Connection:
             got += k
         return bytes(buf)
 
-    def recv_into_file(self, fd: int, size: int) -> None:
-        """Receive exactly ``size`` raw bytes into an open file (written through a mapping-free buffer)."""
-        buf = bytearray(min(CHUNK, max(size, 1)))
-        view = memoryview(buf)
-        left = size
-        while left:
-            k = self.sock.recv_into(view[: min(len(buf), left)])
-            if k == 0:
-                raise p.ProtocolViolation(f"connection closed with {left} bytes of a file still to come")
-            written = 0
-            while written < k:
-                written += os.write(fd, view[written:k])
-            left -= k
+    def recv_into_file(self, fd: int, size: int, check: StreamCheck | None = None, *, at: int | None = None) -> None:
+        """Receive exactly ``size`` raw bytes into an open file (at its position, or at offset ``at``),
+        checking items on the way if asked."""
+        try:
+            receive_into_file(self.sock, fd, size, check, at=at)
+        except TransferClosed as exc:
+            raise p.ProtocolViolation(str(exc)) from None
 
-    def send_file(self, path: Path, size: int) -> None:
-        """Send exactly ``size`` bytes of ``path`` with sendfile (no copy through user space)."""
+    def send_file(self, path: Path, size: int, offset: int = 0, length: int | None = None) -> None:
+        """Send ``length`` bytes (default: all) of ``path``, ``size`` bytes long, from ``offset``,
+        with sendfile (no copy through user space)."""
+        count = size - offset if length is None else length
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size != size:
                 raise PeerError(f"{path} changed size while being sent")
             # socket.sendfile: os.sendfile under the hood, waiting for room within the socket's timeout
-            sent = self.sock.sendfile(f, 0, size) if size else 0
-            if sent != size:
-                raise PeerError(f"short send of {path}: {sent} of {size} bytes")
+            sent = self.sock.sendfile(f, offset, count) if count else 0
+            if sent != count:
+                raise PeerError(f"short send of {path}: {sent} of {count} bytes")
 
     def close(self) -> None:
         try:
@@ -128,18 +124,34 @@ class PeerClient(Connection):
         return steps if isinstance(steps, list) else []
 
     def get_into(self, namespace: str, origin: str, step: int, name: str, dest: Path, *,
-                 max_size: int = p.MAX_FILE) -> int:
-        """Fetch one file into ``dest`` (created); its size."""
+                 max_size: int = p.MAX_FILE, expect_size: int | None = None,
+                 check: StreamCheck | None = None) -> int:
+        """Fetch one file into ``dest`` (created), its items checked on the way by ``check``; its size.
+
+        ``expect_size`` (the manifest's) is compared before any byte is received; a mismatch
+        raises ``IntegrityError`` and the connection is of no further use.
+        """
         reply = self.call({"op": "get", "ns": namespace, "origin": origin, "step": step, "name": name})
         size = reply.get("size")
         if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= max_size:
             raise p.ProtocolViolation(f"bad size {size!r} for {name}")
+        if expect_size is not None and size != expect_size:
+            raise IntegrityError(f"agent {self.node} holds {name} with {size} bytes, the manifest says {expect_size}")
         fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            self.recv_into_file(fd, size)
+            self.recv_into_file(fd, size, check)
         finally:
             os.close(fd)
         return size
+
+    def get_range_into(self, namespace: str, origin: str, step: int, name: str, fd: int, offset: int, length: int,
+                       check: StreamCheck | None) -> None:
+        """Fetch bytes ``[offset, offset + length)`` of one file into ``fd`` at the same offset."""
+        reply = self.call({"op": "get", "ns": namespace, "origin": origin, "step": step, "name": name,
+                           "offset": offset, "length": length})
+        if reply.get("size") != length:
+            raise p.ProtocolViolation(f"asked for {length} bytes of {name}, offered {reply.get('size')!r}")
+        self.recv_into_file(fd, length, check, at=offset)
 
     def put(self, namespace: str, origin: str, step: int, save_id: str, files: Sequence[tuple[str, Path | bytes]],
             keep: Sequence[int]) -> None:

@@ -88,6 +88,8 @@ class AgentConfig:
     durable_url    where the agent drains steps on ``flush`` (None: flush is a no-op)
     scan_interval_s  how often the agent rescans the memory root (notifications make it sooner)
     metrics_port   serve Prometheus metrics on 127.0.0.1:<port> (None: off; 0 picks one)
+    fetch_streams  connections a load's fetch of one large file uses at once (parts of at least
+                   ``fetch_part_bytes``, cut at item boundaries, each checked by its own stream)
     """
 
     memory_dir: str = DEFAULT_MEMORY_DIR
@@ -100,6 +102,8 @@ class AgentConfig:
     durable_url: str | None = None
     scan_interval_s: float = 1.0
     metrics_port: int | None = None
+    fetch_streams: int = 4
+    fetch_part_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.memory_dir):
@@ -119,5 +123,9 @@ class AgentConfig:
             raise ConfigError("budget_bytes must be at least 1")
         if self.durable_url is not None:
             DurableLocation.parse(self.durable_url)
+        if isinstance(self.fetch_streams, bool) or not isinstance(self.fetch_streams, int) or self.fetch_streams < 1:
+            raise ConfigError(f"fetch_streams must be a whole number >= 1, got {self.fetch_streams!r}")
+        if self.fetch_part_bytes < 1:
+            raise ConfigError("fetch_part_bytes must be at least 1")
         if self.scan_interval_s <= 0:
             raise ConfigError("scan_interval_s must be > 0")

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
-from tierckpt.errors import TierckptError
+from tierckpt.errors import ConfigError, TierckptError
 from tierckpt.observability import get_logger, throughput
 from tierckpt.tiers import LocalTier, open_durable
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent
 
-__all__ = ["flush"]
+__all__ = ["drain_lag", "flush"]
 
 _log = get_logger("agent")
 
@@ -41,8 +41,37 @@ def flush(agent: Agent, namespace: str | None) -> dict[str, Any]:
         except (TierckptError, OSError) as exc:
             errors.append(f"{ns}: {exc}")
     agent.drain_state = {"last_flush": time.time(), "drained": out, "errors": errors}
-    agent.metrics.drain_lag.set(sum(1 for v in out.values() if v.get("state") == "partial"))
+    try:
+        agent.refresh_drain_lag()
+    except (TierckptError, OSError) as exc:
+        errors.append(f"drain lag: {exc}")
     return {"ok": not errors, "drained": out, "error": "; ".join(errors) or None}
+
+
+def drain_lag(agent: Agent, ns: str, known: dict[str, int | None]) -> dict[str, Any]:
+    """{newest_memory, newest_durable, lag_steps}: this node's committed memory steps of ``ns``
+    newer than the newest durable step (0 when the newest is durable, or nothing is held).
+    The durable tier is listed unless ``known`` has its newest step already."""
+    url = agent.config.durable_url
+    memory = [s.step for s in agent.store.own(ns).list_steps()]
+    if url is None:
+        return {"newest_memory": memory[-1] if memory else None}
+    if ns in known:
+        newest = known[ns]
+        return {"newest_memory": memory[-1] if memory else None, "newest_durable": newest,
+                "lag_steps": sum(1 for s in memory if newest is None or s > newest)}
+    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
+    try:
+        steps = [s.step for s in durable.list_steps()] if durable is not None else []
+    except (TierckptError, OSError) as exc:
+        return {"newest_memory": memory[-1] if memory else None, "error": str(exc)[:200]}
+    finally:
+        closer = getattr(durable, "close", None)
+        if closer is not None:
+            closer()
+    newest = steps[-1] if steps else None
+    lag = sum(1 for s in memory if newest is None or s > newest)
+    return {"newest_memory": memory[-1] if memory else None, "newest_durable": newest, "lag_steps": lag}
 
 
 def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
@@ -52,7 +81,8 @@ def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
         return {"state": "empty"}
     newest = steps[-1]
     durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
-    assert durable is not None
+    if durable is None:
+        raise ConfigError(f"durable_url {url!r} names no durable tier; pass file:///path or s3://bucket/prefix")
     try:
         if any(s.step == newest.step for s in durable.list_steps()):
             return {"step": newest.step, "state": "durable"}

@@ -13,19 +13,27 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import PeerClient, PeerError
 from tierckpt.agent.server import reply_error
-from tierckpt.errors import IntegrityError, TierckptError
+from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
+from tierckpt.errors import IntegrityError, StorageError, TierckptError
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent, Holder
 
 __all__ = ["handle"]
+
+STATUS_DRAIN_CHECK_S = 5.0
+_SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
+MAX_SMALL = 64 << 20
 
 
 def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -41,6 +49,8 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
         with agent.fetch_lock((ns, step, name)):
             return fetch(agent, ns, step, name)
     if op == "status":
+        if agent.config.durable_url is not None:  # someone asked: list the durable tier, at most every few seconds
+            agent.refresh_drain_lag(list_durable=time.monotonic() - agent._drain_checked > STATUS_DRAIN_CHECK_S)
         return {"ok": True, **agent.status()}
     if op == "budget":
         return {"ok": True, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}
@@ -117,7 +127,12 @@ def catalog(agent: Agent, ns: str) -> dict[str, Any]:
 
 
 def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
-    """Place a verified copy of one file in the peer cache, trying each holder in turn."""
+    """Place a verified copy of one file in the peer cache, trying each holder in turn.
+
+    The sealed manifest comes first (from the cache when a holder still offers that save);
+    a data file is then streamed from a holder into a staging file with every item checked
+    on the way (one pass), and renamed into the cache only when all of it is good.
+    """
     with agent._lock:
         known = list(agent._holders.get((ns, step), []))
     if not known:
@@ -127,11 +142,14 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
     cache = agent.store.cache(ns)
     step_dir = cache.step_dir(step)
     errors: list[str] = []
-    manifest = _manifest(agent, ns, step, known, errors)  # the seal first: it decides what is good
+    with agent.fetch_lock((ns, step, ".seal")):  # not a file name: no clash with the caller's lock
+        manifest = _manifest(agent, ns, step, known, errors)  # the seal first: it decides what is good
     if manifest is None:
         return reply_error(f"no peer holds a sealed manifest of step {step}: {'; '.join(errors)}", "missing")
     if name in (layout.MANIFEST, layout.MARKER):
         return {"ok": True}
+    if (step_dir / name).exists():
+        return {"ok": True, "cached": True}  # fetched and verified earlier for this save
     known.sort(key=lambda h: h.save_id != manifest.save_id)  # copies of the same save first
     candidates = [h for h in known if name in h.held]
     if not candidates:
@@ -141,12 +159,18 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
         tmp = step_dir.parent / layout.STAGING / f"{step}.{name}.{uuid.uuid4().hex[:8]}"
         tmp.parent.mkdir(parents=True, exist_ok=True)
         try:
-            _get(agent, h, ns, step, name, tmp)
-            _check(tmp, name, manifest, f"{name} of step {step} from {h.node}")
+            t0 = time.perf_counter()
+            _get_verified(agent, h, ns, step, name, tmp, manifest)
             step_dir.mkdir(parents=True, exist_ok=True)
             os.replace(tmp, step_dir / name)
-            agent.metrics.fetched_bytes.inc((step_dir / name).stat().st_size)
-            return {"ok": True, "holder": h.node, "origin": h.origin}
+            seconds = time.perf_counter() - t0
+            nbytes = (step_dir / name).stat().st_size
+            agent.metrics.fetched_bytes.inc(nbytes)
+            agent.metrics.fetch_seconds.inc(seconds)
+            if name not in _SMALL:  # the data files are what a restore waits for
+                agent.last_fetch = {"namespace": ns, "step": step, "name": name, "from": h.node, "bytes": nbytes,
+                                    "seconds": round(seconds, 4)}
+            return {"ok": True, "holder": h.node, "origin": h.origin, "seconds": seconds}
         except IntegrityError as exc:
             bad = True
             errors.append(str(exc))
@@ -157,7 +181,64 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
     return reply_error("; ".join(errors), "integrity" if bad else "storage")
 
 
-def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Any) -> None:
+def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path,
+                  manifest: layout.Manifest) -> None:
+    """One file from ``h`` into ``dest``, verified against ``manifest``; IntegrityError if not."""
+    where = f"{name} of step {step} from {h.node}"
+    if h.address is None or name == layout.METADATA:
+        _get(agent, h, ns, step, name, dest)
+        _check(dest, name, manifest, where)
+        return
+    size = manifest.files.get(name)
+    if size is None:
+        raise IntegrityError(f"{where}: not listed in the manifest")
+    check = StreamCheck.for_file(manifest, name, size, where)
+    if check is not None and agent.config.fetch_streams > 1 and size >= 2 * agent.config.fetch_part_bytes:
+        _get_parallel(agent, h, ns, step, name, dest, size, check.records, where)
+        return
+    client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
+    try:
+        client.sock.settimeout(max(60.0, size / 50e6))
+        client.get_into(ns, h.origin, step, name, dest, expect_size=size, check=check)
+    finally:
+        client.close()
+    if check is None:
+        _check(dest, name, manifest, where)
+
+
+def _get_parallel(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path, size: int,
+                  records: list[layout.ItemRecord], where: str) -> None:
+    """Parts of one file over ``fetch_streams`` connections at once, each part's items checked on the way.
+
+    One TCP stream is bound by one core on each side; a node's NICs are not. Parts are cut
+    at item boundaries so each connection checks whole items while they arrive.
+    """
+    parts = split_ranges(records, size, agent.config.fetch_streams, agent.config.fetch_part_bytes)
+    if h.address is None:
+        raise StorageError(f"{where}: a parallel fetch needs a remote holder")
+    address = h.address
+    fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+
+        def one(part: tuple[int, int, list[layout.ItemRecord]]) -> None:
+            offset, length, recs = part
+            client = PeerClient.connect(address, agent.node_id, agent.config.secret)
+            try:
+                client.sock.settimeout(max(60.0, length / 50e6))
+                client.get_range_into(ns, h.origin, step, name, fd, offset, length,
+                                      StreamCheck(recs, where, start=offset))
+            finally:
+                client.close()
+
+        with ThreadPoolExecutor(len(parts), thread_name_prefix="tierckpt-agent-fetch") as pool:
+            for future in [pool.submit(one, part) for part in parts]:
+                future.result()  # the first failure, after every part stopped
+    finally:
+        os.close(fd)
+
+
+def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path) -> None:
     if h.address is None:  # a replica on this node: a second link, no copy
         src = agent.store.replica(h.origin, ns).step_dir(step) / name
         try:
@@ -167,27 +248,25 @@ def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Any) -> N
         return
     client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
     try:
-        client.get_into(ns, h.origin, step, name, dest)
+        client.get_into(ns, h.origin, step, name, dest, max_size=MAX_SMALL if name in _SMALL else p.MAX_FILE)
     finally:
         client.close()
 
 
 def _manifest(agent: Agent, ns: str, step: int, known: list[Holder], errors: list[str]) -> layout.Manifest | None:
-    """The step's sealed manifest from the first holder that has one; cached beside the files."""
+    """The step's sealed manifest: the cached one while a holder offers that save, else from the first holder."""
     cache_dir = agent.store.cache(ns).step_dir(step)
+    cached = _cached_manifest(cache_dir, ns, step)
+    if cached is not None and any(h.save_id == cached.save_id for h in known):
+        return cached
     for h in [h for h in known if layout.MANIFEST in h.held and layout.MARKER in h.held]:
         tmp = cache_dir.parent / layout.STAGING / f"{step}.mf.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True, exist_ok=True)
         try:
             _get(agent, h, ns, step, layout.MANIFEST, tmp / layout.MANIFEST)
             _get(agent, h, ns, step, layout.MARKER, tmp / layout.MARKER)
-            mf_raw = (tmp / layout.MANIFEST).read_bytes()
-            layout.check_marker((tmp / layout.MARKER).read_bytes(), mf_raw, where=f"step {step} on {h.node}")
-            mf = layout.Manifest.from_bytes(mf_raw, where=f"step {step} on {h.node}")
-            if (mf.namespace, mf.step) != (ns, step):
-                raise IntegrityError(f"{h.node}: manifest of step {step} names {mf.namespace}/step_{mf.step}")
-            cached = cache_dir / layout.MANIFEST
-            if cached.exists() and cached.read_bytes() != mf_raw:
+            mf = _sealed(tmp, ns, step, f"step {step} on {h.node}")
+            if cached is None or cached.save_id != mf.save_id:
                 shutil.rmtree(cache_dir, ignore_errors=True)  # files of another save of this step
             cache_dir.mkdir(parents=True, exist_ok=True)
             for n in (layout.MANIFEST, layout.MARKER):
@@ -200,9 +279,23 @@ def _manifest(agent: Agent, ns: str, step: int, known: list[Holder], errors: lis
     return None
 
 
-def _check(path: Any, name: str, manifest: layout.Manifest, where: str) -> None:
-    from tierckpt.agent.service import verify_file
+def _sealed(directory: Path, ns: str, step: int, where: str) -> layout.Manifest:
+    mf_raw = (directory / layout.MANIFEST).read_bytes()
+    layout.check_marker((directory / layout.MARKER).read_bytes(), mf_raw, where=where)
+    mf = layout.Manifest.from_bytes(mf_raw, where=where)
+    if (mf.namespace, mf.step) != (ns, step):
+        raise IntegrityError(f"{where}: the manifest names {mf.namespace}/step_{mf.step}")
+    return mf
 
+
+def _cached_manifest(cache_dir: Path, ns: str, step: int) -> layout.Manifest | None:
+    try:
+        return _sealed(cache_dir, ns, step, f"cached step {step}")
+    except (OSError, TierckptError):
+        return None
+
+
+def _check(path: Path, name: str, manifest: layout.Manifest, where: str) -> None:
     if name == layout.METADATA:
         if layout.checksum(path.read_bytes()) != manifest.metadata_xxh3:
             raise IntegrityError(f"{where}: fails its checksum")

@@ -9,7 +9,9 @@ that announced their sizes, unframed:
     server → welcome {op, node, mac}                        mac = HMAC(secret, "s" | client nonce | server nonce)
     then requests, one at a time:
       list {ns}                     → listing {steps: [{step, origin, save_id, held: {name: size}, all: [names]}]}
-      get  {ns, origin, step, name} → file {size} + size raw bytes            (error when absent)
+      get  {ns, origin, step, name, [offset, length]}
+                                    → file {size} + size raw bytes            (error when absent)
+                                      with offset/length: that range of the file (parallel fetches)
       put  {ns, origin, step, save_id, files: [[name, size], ...], keep: [steps]}
            + the files' bytes in order                      → stored {} | error {message}
       status {}                     → status {...}
@@ -163,6 +165,8 @@ class Get:
     origin: str
     step: int
     name: str
+    offset: int = 0
+    length: int | None = None  # None: the whole file
 
 
 @dataclass(frozen=True)
@@ -194,8 +198,10 @@ def parse_request(body: Mapping[str, Any]) -> Request:
     if op == "list":
         return ListSteps(_ns(body.get("ns")))
     if op == "get":
+        length = body.get("length")
         return Get(_ns(body.get("ns")), validate_node_id(body.get("origin")), _step(body.get("step")),
-                   validate_file_name(body.get("name")))
+                   validate_file_name(body.get("name")), _int(body.get("offset", 0), "offset", MAX_FILE),
+                   None if length is None else _int(length, "length", MAX_FILE))
     if op == "put":
         files = body.get("files")
         if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:

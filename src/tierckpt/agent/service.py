@@ -9,10 +9,6 @@ the marker last, so one that is not complete and verified never counts.
 
 from __future__ import annotations
 
-import mmap
-import os
-import shutil
-import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -25,18 +21,17 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent.client import Connection, PeerClient, PeerError
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
+from tierckpt.agent.receive import receive_replica
 from tierckpt.agent.server import LocalServer, PeerServer
 from tierckpt.agent.store import Held, NodeStore, select_evictions
-from tierckpt.errors import IntegrityError, TierckptError
-from tierckpt.integrity import verify_items
+from tierckpt.errors import TierckptError
 from tierckpt.observability import get_logger, throughput
 
 __all__ = ["Agent", "ring_targets"]
 
 _log = get_logger("agent")
-_SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
-MAX_SMALL = 64 << 20
 PEER_REFRESH_S = 5.0
+DRAIN_CHECK_S = 30.0  # listing an S3 durable tier every scan would be a LIST a second per namespace
 
 
 def ring_targets(nodes: Sequence[str], me: str, k: int) -> list[str]:
@@ -74,6 +69,10 @@ class Agent:
         self._stop = threading.Event()
         self._peers_checked = 0.0
         self.drain_state: dict[str, Any] = {}
+        self.drain_lag: dict[str, dict[str, Any]] = {}
+        self._drain_checked = float("-inf")
+        self.last_replication: dict[str, Any] = {}
+        self.last_fetch: dict[str, Any] = {}
         Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
         self.store.gc()
         self.peer_server = PeerServer(self, *config.listen)
@@ -112,6 +111,24 @@ class Agent:
                 self._replicate_newest(ns)
         self.enforce_budget(0)
         self._update_gauges()
+        if self.config.durable_url is not None:
+            self.refresh_drain_lag(list_durable=time.monotonic() - self._drain_checked > DRAIN_CHECK_S)
+
+    def refresh_drain_lag(self, *, list_durable: bool = True) -> dict[str, dict[str, Any]]:
+        """Per namespace: the newest memory and durable steps and the lag between them.
+
+        ``list_durable`` False reuses the newest durable step found last time (listing an S3
+        tier is a request; memory is read every time).
+        """
+        from tierckpt.agent.drain import drain_lag
+
+        known = {ns: v["newest_durable"] for ns, v in self.drain_lag.items() if "newest_durable" in v}
+        if list_durable:
+            self._drain_checked = time.monotonic()
+            known = {}
+        self.drain_lag = {ns: drain_lag(self, ns, known) for ns in self.store.namespaces()}
+        self.metrics.drain_lag.set(sum(int(v.get("lag_steps", 0)) for v in self.drain_lag.values()))
+        return self.drain_lag
 
     def _refresh_peers(self) -> None:
         self._peers_checked = time.monotonic()
@@ -152,9 +169,10 @@ class Agent:
         try:
             if any(pin is None for _, pin in pins):
                 return
-            files: list[tuple[str, Path | bytes]] = [(n, pin) for n, pin in pins if pin is not None]
-            files += [(layout.METADATA, md_raw), (layout.MANIFEST, mf_raw),
-                      (layout.MARKER, tier.read_file(newest.step, layout.MARKER))]
+            # the sealed small files first, so the receiver checks each data file as it arrives
+            files: list[tuple[str, Path | bytes]] = [(layout.METADATA, md_raw), (layout.MANIFEST, mf_raw),
+                                                     (layout.MARKER, tier.read_file(newest.step, layout.MARKER))]
+            files += [(n, pin) for n, pin in pins if pin is not None]
             keep = [s.step for s in steps]
             for node, addr in todo:
                 if self._send_replica(ns, newest.step, save_id, files, keep, node, addr):
@@ -183,6 +201,8 @@ class Agent:
         dt = time.perf_counter() - t0
         self.metrics.replicated_bytes.inc(nbytes)
         self.metrics.replication_seconds.set(dt)
+        self.metrics.replication_throughput.set(nbytes / dt if dt > 0 else 0.0)
+        self.last_replication = {"step": step, "namespace": ns, "to": node, "bytes": nbytes, "seconds": round(dt, 4)}
         _log.info("[Agent %s] Step %d: replicated %s to %s in %s", self.node_id, step, ns, node, throughput(nbytes, dt))
         return True
 
@@ -195,7 +215,7 @@ class Agent:
         elif isinstance(req, p.Get):
             self._serve_get(req, conn)
         elif isinstance(req, p.Put):
-            self._receive(req, conn, peer)
+            receive_replica(self, req, conn, peer)
         else:
             conn.send({"op": "status", **self.status()})
 
@@ -209,74 +229,17 @@ class Agent:
                 conn.send({"op": "error", "message": f"{req.namespace}/step_{req.step}/{req.name} is not held here"})
                 return
             size = src.stat().st_size
-            conn.send({"op": "file", "size": size})
-            conn.send_file(src, size)
+            length = size - req.offset if req.length is None else req.length
+            if req.offset + length > size or length < 0:
+                conn.send({"op": "error", "message": f"{req.name} has {size} bytes, not {req.offset}+{length}"})
+                return
+            conn.send({"op": "file", "size": length})
+            conn.send_file(src, size, req.offset, length)
         except PeerError as exc:
             raise p.ProtocolViolation(str(exc)) from exc
         finally:
             if pin is not None:
                 tier.unpin(pin)
-
-    def _receive(self, req: p.Put, conn: Connection, peer: str) -> None:
-        if req.origin == self.node_id or req.origin != peer:
-            raise p.ProtocolViolation(f"node {peer} may only send its own steps")
-        if any(n in _SMALL and s > MAX_SMALL for n, s in req.files):
-            raise p.ProtocolViolation("a metadata file larger than 64 MiB")
-        if not self.enforce_budget(req.nbytes):
-            raise p.ProtocolViolation(f"no room for {req.nbytes} bytes within the node budget")
-        tier = self.store.replica(req.origin, req.namespace)
-        staging = tier.staging_dir(req.step, req.save_id)
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        (staging / f".owner-{socket.gethostname()}-{os.getpid()}").touch()
-        t0 = time.perf_counter()
-        small: dict[str, bytes] = {}
-        try:
-            for name, size in req.files:
-                if name in _SMALL:
-                    small[name] = conn._exact(size)
-                    continue
-                fd = os.open(staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    conn.recv_into_file(fd, size)
-                finally:
-                    os.close(fd)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        try:
-            self._verify_replica(req, staging, small)
-        except (IntegrityError, p.ProtocolViolation, OSError) as exc:
-            shutil.rmtree(staging, ignore_errors=True)
-            self.metrics.replicas_rejected.inc()
-            conn.send({"op": "error", "message": f"replica rejected: {exc}"})
-            return
-        tier.commit(req.step, req.save_id, {layout.METADATA: small[layout.METADATA],
-                                            layout.MANIFEST: small[layout.MANIFEST]})
-        for s in tier.list_steps():
-            if s.step != req.step and s.step not in req.keep:
-                tier.delete(s.step)  # the origin no longer holds it
-        _log.info("[Agent %s] Step %d: stored a replica of %s from %s in %s", self.node_id, req.step,
-                  req.namespace, req.origin, throughput(req.nbytes, time.perf_counter() - t0))
-        conn.send({"op": "stored"})
-
-    @staticmethod
-    def _verify_replica(req: p.Put, staging: Path, small: dict[str, bytes]) -> None:
-        if set(small) != set(_SMALL):
-            raise IntegrityError("a replica needs .metadata, manifest.json and COMMITTED")
-        where = f"replica {req.namespace}/step_{req.step} from {req.origin}"
-        save_id = layout.check_marker(small[layout.MARKER], small[layout.MANIFEST], where=where)
-        mf = layout.Manifest.from_bytes(small[layout.MANIFEST], where=where)
-        if (mf.namespace, mf.step, mf.save_id, save_id) != (req.namespace, req.step, req.save_id, req.save_id):
-            raise IntegrityError(f"{where}: manifest names {mf.namespace}/step_{mf.step} save {mf.save_id}")
-        if layout.checksum(small[layout.METADATA]) != mf.metadata_xxh3:
-            raise IntegrityError(f"{where}: .metadata fails its checksum")
-        for name, size in req.files:
-            if name in _SMALL:
-                continue
-            if mf.files.get(name) != size:
-                raise IntegrityError(f"{where}: {name} is not in the manifest with {size} bytes")
-            verify_file(staging / name, [r for r in mf.items if r.file == name], f"{where}/{name}")
 
     # -- local requests -------------------------------------------------------------------
     def handle_local(self, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -323,10 +286,15 @@ class Agent:
             "memory_dir": self.config.memory_dir,
             "peers": {f"{a[0]}:{a[1]}": n for a, n in self.peer_ids.items()},
             "ring_targets": [n for n, _ in self.targets()],
-            "namespaces": {ns: {"steps": sorted(s), "replicated": self._replicated_view(ns)} for ns, s in own.items()},
+            "namespaces": {ns: {"steps": sorted(s), "replicated": self._replicated_view(ns),
+                                "drain": self.drain_lag.get(ns, {})} for ns, s in own.items()},
             "replicas_held": replicas,
             "budget_bytes": self.config.budget_bytes, "used_bytes": self.store.usage_bytes(),
             "held_bytes": {k: sum(h.nbytes for h in held if h.kind == k) for k in ("own", "replica", "cache")},
+            "replication_lag_s": self.metrics.replication_lag_seconds.value(),
+            "last_replication": self.last_replication,
+            "last_fetch": self.last_fetch,
+            "evictions": {k: self.metrics.evictions.value(kind=k) for k in ("cache", "replica")},
             "drain": self.drain_state,
         }
 
@@ -339,29 +307,21 @@ class Agent:
             self.metrics.held_bytes.set(0, kind=kind)
         for h in self.store.everything():
             self.metrics.held_bytes.inc(h.nbytes, kind=h.kind)
-        lag = 0
+        lag, oldest = 0, 0.0
+        now = time.time()
         for ns in self.store.namespaces():
             steps = self.store.own(ns).list_steps()
             done = self.replicated.get(ns)
             if steps and self.config.replicas > 0 and (done is None or done[0] != steps[-1].step or not done[2]):
                 lag += 1
+                marker = self.store.own(ns).step_dir(steps[-1].step) / layout.MARKER
+                try:
+                    oldest = max(oldest, now - marker.stat().st_mtime)
+                except FileNotFoundError:
+                    pass
         self.metrics.replication_lag.set(lag)
+        self.metrics.replication_lag_seconds.set(round(oldest, 3))
 
     def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
         with self._lock:
             return self._fetch_locks.setdefault(key, threading.Lock())
-
-
-def verify_file(path: Path, records: list[layout.ItemRecord], where: str) -> None:
-    """Every item's checksum over a local file (mapped read-only)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            verify_items(memoryview(b""), records, where)
-            return
-        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
-            view = memoryview(mm)
-            try:
-                verify_items(view, records, where)
-            finally:
-                view.release()
