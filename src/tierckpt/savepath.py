@@ -1,0 +1,138 @@
+"""The save path of ``Checkpointer``: stage into a slot, commit in memory, queue the drain.
+
+Call order (every rank, same order): ``SavePath.save`` waits for the previous save's memory
+commit (one save in flight per rank), copies the state into a shared-memory slot, then
+hands the snapshot to the committer thread, which plans (cached), checksums and commits
+the step in memory, makes it visible on other nodes, and queues the durable copy.
+``wait`` waits for every handle; ``close`` stops the committer after ``wait``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from tierckpt import localmode, monitor
+from tierckpt.dcp.writer import TieredStorageWriter
+from tierckpt.drain import DrainQueue
+from tierckpt.handles import SaveHandle
+from tierckpt.loading import unwrap
+from tierckpt.observability import StepLogger, throughput
+from tierckpt.runtime import RankRuntime
+from tierckpt.snapshot import Snapshot, resolve_stateful
+from tierckpt.topology import NodeTopology
+
+__all__ = ["SavePath"]
+
+
+class SavePath:
+    """Saves of one ``Checkpointer``: the committer thread, the in-flight save, the handles."""
+
+    def __init__(self, runtime: RankRuntime, topology: NodeTopology, drains: DrainQueue | None,
+                 log: StepLogger) -> None:
+        self.runtime = runtime
+        self.topo = topology
+        self.drains = drains
+        self.log = log
+        self.local = runtime.config.local_mode
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
+        self._inflight: Future[None] | None = None
+        self._handles: list[SaveHandle] = []
+        self._saves = 0  # saves committed here: the same count on every rank
+
+    def save(self, step: int, state_dict: dict[str, Any], go_durable: bool) -> SaveHandle:
+        """Copy ``state_dict`` into a slot, then commit in the background (caller's thread)."""
+        self.wait_inflight(step)
+        t0 = time.perf_counter()
+        sd = localmode.localize(state_dict) if self.local else resolve_stateful(state_dict)
+        snap = self.runtime.stager.stage(sd)
+        snap.wait_copied()
+        blocking = time.perf_counter() - t0
+        monitor.beat()  # a long save is progress, not a hang (tierckpt run)
+        self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",
+                      snap.nbytes, throughput(snap.nbytes, blocking))
+        handle = SaveHandle(step, go_durable, blocking)
+        handle._staged.set_result(None)
+        self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        return handle
+
+    def wait_inflight(self, step: int | None) -> None:
+        """Wait for the previous save's memory commit; its failure belongs to its handle."""
+        inflight = self._inflight
+        if inflight is not None and not inflight.done():
+            self.log.info(step, "waiting for the previous save to commit (one save in flight per rank)")
+        if inflight is not None:
+            inflight.exception()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far finished; raise the first failure."""
+        first: BaseException | None = None
+        for handle in list(self._handles):
+            try:
+                handle.result(timeout)
+            except BaseException as exc:
+                first = first or exc
+        self._handles = []
+        if first is not None:
+            raise first
+
+    def settle(self) -> None:
+        """Wait for every save and durable copy so far without raising (before a load)."""
+        self.wait_inflight(None)
+        for h in self._handles:
+            h._future.exception()
+
+    def close(self) -> None:
+        self._committer.shutdown(wait=True)
+
+    def _write_memory(self, writer: TieredStorageWriter, snap: Snapshot) -> None:
+        writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
+        writer._commit_nodes = False  # commit_other_nodes broadcasts on the commit group instead
+        self._saves += 1
+        writer._save_seq = self._saves
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                if self.local:  # this rank's shards alone, as one single-process checkpoint
+                    dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner, no_dist=True)
+                else:
+                    dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
+                             process_group=self.topo.commit_group)
+        except CheckpointException as exc:
+            raise unwrap(exc) from None
+
+    def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
+        writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
+        writer._snapshot = snap
+        try:
+            self._write_memory(writer, snap)
+            save_id = writer._plan_data.save_id if writer._plan_data is not None else None
+            small = self.topo.commit_other_nodes(self.runtime, step, save_id, writer.committed)
+        except BaseException as exc:
+            if writer._snapshot is not None:  # failed before write_data took the slot
+                self.runtime.stager.release(snap)
+            self.log.warning(step, "save failed: %s", exc)
+            handle._fail(exc)
+            return
+        handle._memory.set_result(None)
+        if not go_durable or self.drains is None or save_id is None:
+            handle._future.set_result(None)
+            return
+        future = self.drains.submit(step, save_id, list(writer.files_written), small)
+        future.add_done_callback(lambda f: _chain(f, handle._future))
+
+
+def _chain(src: Future[None], dst: Future[None]) -> None:
+    err = src.exception()
+    if err is None:
+        dst.set_result(None)
+    else:
+        dst.set_exception(err)
