@@ -3,13 +3,20 @@
 Call order (every rank, same order, same arguments):
   ck = Checkpointer(config)          one all_gather to learn which ranks share a node
   step = ck.load(state_dict)         agreed step loaded in place, or None when nothing exists
+  ck.register_fence(optimizer)       optional, once: the optimizer's step waits for an
+                                     overlapped save's copy (a module: its forward does)
+  ck.reserve(state_dict)             optional: allocate the slots ahead of the first save
   handle = ck.save(step, state_dict) returns once the state is copied into shared memory
                                      (the only part that blocks training); a background
                                      committer then plans (cached), checksums and commits the
                                      step in memory; a durable copy (config policy or
                                      durable=True) drains after that in a second thread.
                                      One save is in flight per rank: the next save waits for
-                                     the previous memory commit.
+                                     the previous memory commit. With overlap=True it returns
+                                     before the copy: nothing may change the tensors before
+                                     the fence (a registered optimizer's next step,
+                                     handle.wait_staged(), ck.fence(), or any later save,
+                                     load, wait or close).
   ck.wait()                          every save so far committed (and durable when asked)
   ck.close()                         waits, then releases slots and threads
 The parts live in their own modules: ``topology`` (node membership, side groups),
@@ -18,11 +25,14 @@ The parts live in their own modules: ``topology`` (node membership, side groups)
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
-from tierckpt import layout
+from tierckpt import layout, localmode
 from tierckpt.config import CheckpointConfig
 from tierckpt.drain import DrainQueue
 from tierckpt.errors import ConfigError, TierckptError
@@ -32,6 +42,7 @@ from tierckpt.observability import StepLogger
 from tierckpt.policy import DurablePolicy
 from tierckpt.runtime import RankRuntime
 from tierckpt.savepath import SavePath
+from tierckpt.snapshot import resolve_stateful
 from tierckpt.topology import NodeTopology
 
 __all__ = ["Checkpointer", "SaveHandle", "StepInfo"]
@@ -58,7 +69,7 @@ class Checkpointer:
             drains = DrainQueue(self.runtime, self.log, rank=self.rank, world_size=self.world_size,
                                 group=topo.drain_group, coordinator=self.rank == 0 or self.local)
         self._drains = drains
-        self._save = SavePath(self.runtime, topo, drains, self.log)
+        self._save = SavePath(self.runtime, topo, drains, self.log, local=self.local)
         self._loader = Loader(config, self.runtime, self.log,
                               group=process_group, agree_group=topo.commit_group)
         self._closed = False
@@ -106,13 +117,58 @@ class Checkpointer:
             self.runtime.close()
 
     # -- save -------------------------------------------------------------------------
-    def save(self, step: int, state_dict: dict[str, Any], durable: bool | None = None) -> SaveHandle:
-        """Copy ``state_dict`` into shared memory and return; commit and drain in the background."""
+    def save(self, step: int, state_dict: dict[str, Any], durable: bool | None = None, *,
+             overlap: bool = False, check_snapshot: bool = False) -> SaveHandle:
+        """Copy ``state_dict`` into shared memory and return; commit and drain in the background.
+
+        ``overlap=True`` returns before the tensor data is copied (a CPU thread, or a CUDA
+        side stream into the pinned slot) and the checkpoint still holds the values at this
+        call, provided nothing changes them before the fence: ``register_fence(optimizer)``
+        makes the optimizer's next step wait, ``handle.wait_staged()`` and ``fence()`` wait
+        explicitly, and every later save, load, wait and close does too. ``check_snapshot``
+        (debug mode, costs a hash of the state at the call) detects a change before the fence:
+        the handle then fails with ``SnapshotChangedError`` naming the key.
+        """
         self._check_open()
         layout.validate_step(step)
         if durable and self.config.durable_url is None:
             raise ConfigError("durable=True but the config has no durable_url")
-        return self._save.save(step, state_dict, self.policy.should_save(step, durable))
+        return self._save.save(step, state_dict, self.policy.should_save(step, durable), overlap=overlap,
+                               check_snapshot=check_snapshot)
+
+    def fence(self) -> None:
+        """Wait for the copy of an overlapped save (CUDA: make the current stream wait for it).
+
+        Never raises: a failed copy is reported by the save's handle and ``wait``.
+        """
+        self._save.fence()
+
+    def register_fence(self, target: torch.optim.Optimizer | torch.nn.Module) -> RemovableHandle:
+        """Fence an optimizer's ``step`` (a step pre-hook) or a module's forward (a forward pre-hook).
+
+        Register the optimizer that updates the saved parameters and state, and any module
+        whose forward changes saved buffers in place (BatchNorm's running statistics).
+        ``.remove()`` on the returned handle unregisters it.
+        """
+        if isinstance(target, torch.optim.Optimizer):
+            return target.register_step_pre_hook(lambda *_: self._save.fence())
+        if isinstance(target, torch.nn.Module):
+            return target.register_forward_pre_hook(lambda *_: self._save.fence())
+        raise ConfigError(f"register_fence takes a torch.optim.Optimizer or torch.nn.Module, not {type(target).__name__}")
+
+    def reserve(self, state_dict: dict[str, Any], *, wait: bool = False) -> Future[int]:
+        """Allocate and fault in the shared-memory slots that saves of ``state_dict`` will use.
+
+        Runs in the background (``wait=True`` blocks until done) within memory_budget_bytes;
+        the future gives the number of slots added. Saves do this by themselves after the
+        first one; calling it early makes the first save warm too.
+        """
+        self._check_open()
+        sd = localmode.localize(state_dict) if self.local else resolve_stateful(state_dict)
+        future = self._save.reserve(self.runtime.stager.nbytes_of(sd))
+        if wait:
+            future.result()
+        return future
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far finished; raise the first failure."""

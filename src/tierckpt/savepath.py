@@ -1,10 +1,15 @@
 """The save path of ``Checkpointer``: stage into a slot, commit in memory, queue the drain.
 
 Call order (every rank, same order): ``SavePath.save`` waits for the previous save's memory
-commit (one save in flight per rank), copies the state into a shared-memory slot, then
-hands the snapshot to the committer thread, which plans (cached), checksums and commits
-the step in memory, makes it visible on other nodes, and queues the durable copy.
-``wait`` waits for every handle; ``close`` stops the committer after ``wait``.
+commit (one save in flight per rank), copies the state into a shared-memory slot (or, with
+``overlap``, starts the copy and returns), then hands the snapshot to the committer thread,
+which waits for the copy (``SaveHandle.wait_staged`` returns then), plans (cached),
+checksums and commits the step in memory, makes it visible on other nodes, and queues the
+durable copy. ``fence`` orders the caller after the pending copy (an optimizer's step
+pre-hook calls it). After a save, a reservation thread allocates and faults in the slots
+the next saves will need (``memory_steps_retained + 1`` in all, within the budget), so only
+the first save of a state size pays for allocation. ``wait`` waits for every handle;
+``close`` stops the threads after ``wait``.
 """
 
 from __future__ import annotations
@@ -35,34 +40,72 @@ class SavePath:
     """Saves of one ``Checkpointer``: the committer thread, the in-flight save, the handles."""
 
     def __init__(self, runtime: RankRuntime, topology: NodeTopology, drains: DrainQueue | None,
-                 log: StepLogger) -> None:
+                 log: StepLogger, *, local: bool) -> None:
         self.runtime = runtime
         self.topo = topology
         self.drains = drains
         self.log = log
-        self.local = runtime.config.local_mode
+        self.local = local  # the runtime's per-rank config of local mode is not itself in local mode
         self._planner = DefaultSavePlanner(enable_plan_caching=True)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-copy")  # overlapped CPU copies
+        self._reserver = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-reserve")
+        self._reserved_for = 0  # slot size the reservation thread last prepared
+        self._reservation: Future[int] | None = None
+        self._pending: Snapshot | None = None  # the overlapped snapshot whose copy may still run
         self._inflight: Future[None] | None = None
         self._handles: list[SaveHandle] = []
         self._saves = 0  # saves committed here: the same count on every rank
 
-    def save(self, step: int, state_dict: dict[str, Any], go_durable: bool) -> SaveHandle:
-        """Copy ``state_dict`` into a slot, then commit in the background (caller's thread)."""
+    def save(self, step: int, state_dict: dict[str, Any], go_durable: bool, *, overlap: bool = False,
+             check_snapshot: bool = False) -> SaveHandle:
+        """Copy ``state_dict`` into a slot (or start to, with ``overlap``), then commit in the background."""
         self.wait_inflight(step)
         t0 = time.perf_counter()
         sd = localmode.localize(state_dict) if self.local else resolve_stateful(state_dict)
-        snap = self.runtime.stager.stage(sd)
-        snap.wait_copied()
-        blocking = time.perf_counter() - t0
+        snap = self.runtime.stager.stage(sd, copier=self._copier if overlap else None,
+                                         checksums=overlap and check_snapshot, step=step)
+        handle = SaveHandle(step, go_durable, 0.0)
+        if overlap:
+            self._pending = snap
+        else:
+            self._staged(snap, handle)
+        handle.blocking_s = blocking = time.perf_counter() - t0
         monitor.beat()  # a long save is progress, not a hang (tierckpt run)
-        self.log.info(step, "staged %d bytes in shared memory in %s; committing in the background",
-                      snap.nbytes, throughput(snap.nbytes, blocking))
-        handle = SaveHandle(step, go_durable, blocking)
-        handle._staged.set_result(None)
+        self.log.info(step, "%s %d bytes in shared memory in %s; committing in the background",
+                      "started copying" if overlap else "staged", snap.nbytes, throughput(snap.nbytes, blocking))
         self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
         self._handles = [h for h in self._handles if not h.done()] + [handle]
+        self._reserve_next(snap.nbytes)
         return handle
+
+    def fence(self) -> None:
+        """Order what the caller does next after the pending overlapped copy; never raises."""
+        snap = self._pending
+        if snap is not None:
+            snap.fence()
+
+    def reserve(self, nbytes: int) -> Future[int]:
+        """Prepare the slots for saves of ``nbytes`` in the background; the future gives the count prepared."""
+        count = self.runtime.config.memory_steps_retained + 1
+        self._reserved_for = nbytes
+        self._reservation = self._reserver.submit(self.runtime.pool.reserve, nbytes, count)
+        return self._reservation
+
+    def _reserve_next(self, nbytes: int) -> None:
+        """Top the slots up for the next saves, unless a reservation is still running (any thread).
+
+        Called when a save starts (new slots) and after its commit (retention may just
+        have freed a slot of an older size, which is then resized ahead of need).
+        """
+        running = self._reservation
+        if running is None or running.done() or nbytes != self._reserved_for:
+            self.reserve(nbytes)
+
+    def _staged(self, snap: Snapshot, handle: SaveHandle) -> None:
+        snap.wait_copied()
+        if not handle._staged.done():
+            handle._staged.set_result(None)
 
     def wait_inflight(self, step: int | None) -> None:
         """Wait for the previous save's memory commit; its failure belongs to its handle."""
@@ -92,6 +135,9 @@ class SavePath:
 
     def close(self) -> None:
         self._committer.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
+        self._reserver.shutdown(wait=True)
+        self._pending = None
 
     def _write_memory(self, writer: TieredStorageWriter, snap: Snapshot) -> None:
         writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
@@ -113,6 +159,7 @@ class SavePath:
         writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
         writer._snapshot = snap
         try:
+            self._staged(snap, handle)  # an overlapped copy lands (or fails) here
             self._write_memory(writer, snap)
             save_id = writer._plan_data.save_id if writer._plan_data is not None else None
             small = self.topo.commit_other_nodes(self.runtime, step, save_id, writer.committed)
@@ -123,6 +170,7 @@ class SavePath:
             handle._fail(exc)
             return
         handle._memory.set_result(None)
+        self._reserve_next(snap.nbytes)
         if not go_durable or self.drains is None or save_id is None:
             handle._future.set_result(None)
             return
