@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 __all__ = ["SaveHandle", "StepInfo"]
@@ -61,5 +61,15 @@ class SaveHandle:
     def _fail(self, exc: BaseException) -> None:
         """Record a failure on every stage not yet finished (committer thread)."""
         for future in (self._staged, self._memory, self._future):
-            if not future.done():
-                future.set_exception(exc)
+            settle(future, exc)
+
+
+def settle(future: Future[None], exc: BaseException | None = None) -> None:
+    """Finish ``future`` unless another thread already did (the copy thread and the committer race)."""
+    try:
+        if exc is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exc)
+    except InvalidStateError:
+        pass

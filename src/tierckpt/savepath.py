@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from tierckpt import localmode, monitor
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.drain import DrainQueue
-from tierckpt.handles import SaveHandle
+from tierckpt.handles import SaveHandle, settle
 from tierckpt.loading import unwrap
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.runtime import RankRuntime
@@ -68,6 +68,8 @@ class SavePath:
         handle = SaveHandle(step, go_durable, 0.0)
         if overlap:
             self._pending = snap
+            if snap._copy is not None:  # CPU: staged as soon as the copy thread is done
+                snap._copy.add_done_callback(lambda f: _chain(f, handle._staged))
         else:
             self._staged(snap, handle)
         handle.blocking_s = blocking = time.perf_counter() - t0
@@ -104,8 +106,7 @@ class SavePath:
 
     def _staged(self, snap: Snapshot, handle: SaveHandle) -> None:
         snap.wait_copied()
-        if not handle._staged.done():
-            handle._staged.set_result(None)
+        settle(handle._staged)
 
     def wait_inflight(self, step: int | None) -> None:
         """Wait for the previous save's memory commit; its failure belongs to its handle."""
@@ -179,8 +180,4 @@ class SavePath:
 
 
 def _chain(src: Future[None], dst: Future[None]) -> None:
-    err = src.exception()
-    if err is None:
-        dst.set_result(None)
-    else:
-        dst.set_exception(err)
+    settle(dst, src.exception())

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt.errors import SnapshotChangedError, StorageError
+from tierckpt.errors import SnapshotChangedError, StorageError, TierckptError
 from tierckpt.layout import checksum
 from tierckpt.record import ALIGN, TensorRecord, tensor_record
 from tierckpt.staging import Slot, SlotPool
@@ -70,6 +70,13 @@ class Snapshot:
             self._event = None
         if self._copy is not None:
             self._copy.result()
+        if self._sums is not None:
+            sums, self._sums = self._sums, None
+            self._verify(sums)
+
+    def _fill(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy the data on the CPU (caller's or copy thread), then check it in debug mode."""
+        _copy_cpu(tensors, self.views)
         if self._sums is not None:
             sums, self._sums = self._sums, None
             self._verify(sums)
@@ -119,10 +126,8 @@ class Stager:
         the caller must ``wait_copied()`` (or ``fence()``) before the tensors change.
         """
         tensors = _local_tensors(state_dict)
-        sums = _source_sums(tensors) if checksums else None
-        snap = self._take(tensors, copier)
+        snap = self._take(tensors, copier, _source_sums(tensors) if checksums else None, step)
         snap.state_dict = _rebuild(state_dict, "", snap.views)
-        snap._sums, snap.step = sums, step
         return snap
 
     def nbytes_of(self, state_dict: dict[str, Any]) -> int:
@@ -137,20 +142,21 @@ class Stager:
                 tensors[item.index.fqn] = planner.resolve_data(item)
         return self._take(tensors)
 
-    def _take(self, tensors: dict[str, torch.Tensor], copier: Executor | None = None) -> Snapshot:
+    def _take(self, tensors: dict[str, torch.Tensor], copier: Executor | None = None,
+              sums: dict[str, str] | None = None, step: int | None = None) -> Snapshot:
         offsets, records, total = self._plan(tensors)
         slot = self.pool.acquire(total)
         try:
             views = self._views(slot, tensors, offsets, records)
-            snap = Snapshot(slot, {}, views, offsets, records, total)
+            snap = Snapshot(slot, {}, views, offsets, records, total, _sums=sums, step=step)
             if any(t.is_cuda for t in tensors.values()):
                 self._copy_cuda(slot, tensors, views)
                 snap._event = torch.cuda.Event()
                 snap._event.record(self._stream)
             elif copier is not None:
-                snap._copy = copier.submit(_copy_cpu, tensors, views)
+                snap._copy = copier.submit(snap._fill, tensors)
             else:
-                _copy_cpu(tensors, views)
+                snap._fill(tensors)
         except BaseException:
             self.pool.release(slot)
             raise
@@ -232,7 +238,11 @@ def _local_tensors(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _copy_cpu(tensors: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
     for k, t in tensors.items():
         if views[k].numel():
-            views[k].copy_(t.detach())
+            try:
+                views[k].copy_(t.detach())
+            except RuntimeError as exc:  # torch cannot copy this tensor densely (sparse, meta, ...)
+                raise TierckptError(f"tensor {k!r} cannot be copied into shared memory: {exc}; save a dense, "
+                                    "materialized tensor (e.g. .to_dense())") from exc
 
 
 def _source_sums(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
