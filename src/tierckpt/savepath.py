@@ -78,7 +78,8 @@ class SavePath:
                       "started copying" if overlap else "staged", snap.nbytes, throughput(snap.nbytes, blocking))
         self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
         self._handles = [h for h in self._handles if not h.done()] + [handle]
-        self._reserve_next(snap.nbytes)
+        if snap.nbytes != self._reserved_for:  # a first save or a new size: start now; else after the commit
+            self.reserve(snap.nbytes)
         return handle
 
     def fence(self) -> None:
