@@ -27,7 +27,7 @@ from tierckpt.bench.measure import StateSpec, VerificationError, build_state, em
 from tierckpt.bench.methods import METHODS, Rank, Recorder, leak_check
 from tierckpt.bench.training import TRAINING
 
-__all__ = ["ALL_METHODS", "TIMED", "Options", "merge", "run"]
+__all__ = ["ALL_METHODS", "TIMED", "Options", "merge", "progress_line", "run"]
 
 # the training-loop methods right after tierckpt's own (the DCP plug-in stays near the end:
 # its process-wide runtime keeps slots mapped until exit)
@@ -50,6 +50,7 @@ class Options:
     leak_bytes: int
     leak_saves: int
     root: str
+    progress: bool = True  #: rank 0 prints a line per method as it finishes
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -119,6 +120,8 @@ def run_rank(rank: int, opts: Options) -> dict[str, Any]:
                     continue
                 out["methods"][name] = rec.figures
                 out["checks"].update({f"{name}.{k}": v for k, v in rec.checks.items()})
+                if opts.progress and rank == 0:
+                    print(progress_line(name, rec.figures), flush=True)
                 gc.collect()
             del ctx, state
             gc.collect()
@@ -126,7 +129,17 @@ def run_rank(rank: int, opts: Options) -> dict[str, Any]:
             state = build_state(StateSpec.for_size(opts.leak_bytes, opts.tensors, ws), rank, ws, mesh)
             ctx = Rank(rank, ws, state, {}, root, 0)
             out["leak"] = leak_check(ctx, state, opts.leak_saves)
+            if opts.progress and rank == 0:
+                anon = out["leak"]["tierckpt"]
+                print(f"  done leak: {len(anon)} saves, anonymous RSS {anon[0] / 2**20:.0f} -> "
+                      f"{anon[-1] / 2**20:.0f} MiB (this rank)", flush=True)
     return out
+
+
+def progress_line(name: str, figures: dict[str, dict[str, list[Any]]]) -> str:
+    """``  done NAME: fig median s, ...`` (this rank's figures, before the merge)."""
+    parts = [f"{fig} {sorted(f['s'])[len(f['s']) // 2]:.4f}s" for fig, f in figures.items() if f["s"]]
+    return f"  done {name}: " + ", ".join(parts)
 
 
 def _source(per_rank: tuple[str | None, ...]) -> str | None:
