@@ -71,7 +71,11 @@ class SavePath:
             if snap._copy is not None:  # CPU: staged as soon as the copy thread is done
                 snap._copy.add_done_callback(lambda f: _chain(f, handle._staged))
         else:
-            self._staged(snap, handle)
+            try:
+                self._staged(snap, handle)
+            except BaseException:
+                self.runtime.stager.release(snap)
+                raise
         handle.blocking_s = blocking = time.perf_counter() - t0
         monitor.beat()  # a long save is progress, not a hang (tierckpt run)
         self.log.info(step, "%s %d bytes in shared memory in %s; committing in the background",
@@ -96,10 +100,11 @@ class SavePath:
         return self._reservation
 
     def _reserve_next(self, nbytes: int) -> None:
-        """Top the slots up for the next saves, unless a reservation is still running (any thread).
+        """Top the slots up for the next saves, unless a reservation is still running.
 
-        Called when a save starts (new slots) and after its commit (retention may just
-        have freed a slot of an older size, which is then resized ahead of need).
+        Called on the committer thread after each commit: retention may just have freed a
+        slot of an older size, which is then resized ahead of need. (A save of a new size
+        starts a reservation itself.)
         """
         running = self._reservation
         if running is None or running.done() or nbytes != self._reserved_for:

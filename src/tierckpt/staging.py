@@ -253,7 +253,8 @@ class SlotPool:
             if entry.name.startswith("slot_"):
                 slot = self._slots.get(entry.name)
                 size = entry.stat().st_size
-                if slot is None or slot.size != size:
+                # a taken slot keeps its object: reserve() may be resizing it outside the lock
+                if slot is None or (slot.size != size and entry.name not in self._reserved):
                     if slot is not None:
                         slot.unmap()
                     slot = Slot(Path(entry.path), size)
