@@ -259,3 +259,14 @@ def test_reservation_resizes_a_freed_slot_of_another_size(ck: Checkpointer, shm_
         ck._save._reservation.result(timeout=60)
     sizes = sorted(s.st_size for s in _slots(shm_root).values())
     assert len(sizes) == 3 and len(set(sizes)) == 1 and sizes[0] == ck.runtime.stager.nbytes_of(big)
+
+
+def test_torch_still_has_the_one_call_copy() -> None:
+    """snapshot uses torch's private ``_foreach_copy_`` (one GIL release per copy) and falls back
+    to a per-tensor loop without it; this fails loudly on a torch that dropped or changed it."""
+    from tierckpt import snapshot
+
+    assert snapshot._FOREACH_COPY is not None
+    dst, src = [torch.zeros(3), torch.zeros(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
+    snapshot._FOREACH_COPY(dst, src)
+    assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
