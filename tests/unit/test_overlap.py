@@ -270,3 +270,21 @@ def test_torch_still_has_the_one_call_copy() -> None:
     dst, src = [torch.zeros(3), torch.zeros(2, 2)], [torch.arange(3.0), torch.ones(2, 2)]
     snapshot._FOREACH_COPY(dst, src)
     assert all(torch.equal(d, s) for d, s in zip(dst, src, strict=True))
+
+
+def test_local_mode_and_durable_copy(shm_root: Path, durable_dir: Path) -> None:
+    cfg = CheckpointConfig(namespace="ovl", memory_dir=str(shm_root), durable_url=f"file://{durable_dir}",
+                           local_mode=True)
+    sd = {"w": torch.arange(1000, dtype=torch.float32), "n": 1}
+    with Checkpointer(cfg) as ck:
+        gate = _hold_copies(ck)
+        handle = ck.save(2, sd, overlap=True, durable=True)
+        threading.Timer(0.2, gate.set).start()
+        ck.fence()
+        sd["w"].zero_()
+        handle.wait()
+        assert handle.durable
+    with Checkpointer(cfg.replace(memory_dir=str(shm_root / "elsewhere"))) as ck:  # memory gone: durable only
+        out = {"w": torch.zeros(1000), "n": 0}
+        assert ck.load(out) == 2 and ck.last_load["tiers"] == ["durable"]
+    assert torch.equal(out["w"], torch.arange(1000, dtype=torch.float32)) and out["n"] == 1
