@@ -5,6 +5,7 @@
     ├── CheckpointNotFoundError (FileNotFoundError)
     │                                  the asked-for step does not exist in any tier
     ├── IntegrityError                 a copy failed its checksum and no good copy is left
+    │   └── SnapshotChangedError       an overlapped save's source changed before its copy (debug mode)
     ├── StateDictMismatchError (ValueError)
     │                                  the state dict does not match the checkpoint
     ├── UnsaveableObjectError (TypeError)
@@ -29,6 +30,7 @@ __all__ = [
     "IntegrityError",
     "MemoryBudgetError",
     "ProtocolError",
+    "SnapshotChangedError",
     "StateDictMismatchError",
     "StorageError",
     "TierckptError",
@@ -144,3 +146,21 @@ class CheckpointFailedError(TierckptError):
     def __init__(self, message: str, *, failures: dict[int, BaseException] | None = None, **context: Any) -> None:
         super().__init__(message, **context)
         self.failures: dict[int, BaseException] = dict(failures or {})
+
+
+class SnapshotChangedError(IntegrityError):
+    """An overlapped save's tensor changed before its copy landed (``check_snapshot=True``).
+
+    ``key`` names the tensor (its flattened state-dict key); the step was not committed.
+    """
+
+    def __init__(self, message: str, *, key: str, step: int | None = None) -> None:
+        super().__init__(message, tier="memory", step=step)
+        self.key = key
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_changed, (self.message, self.key, self.step))
+
+
+def _rebuild_changed(message: str, key: str, step: int | None) -> SnapshotChangedError:
+    return SnapshotChangedError(message, key=key, step=step)

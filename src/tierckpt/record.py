@@ -18,7 +18,7 @@ from typing import IO, Any, cast
 
 import torch
 
-from tierckpt.errors import IntegrityError
+from tierckpt.errors import IntegrityError, TierckptError
 
 __all__ = ["TensorRecord", "dumps_metadata", "loads_metadata", "tensor_record"]
 
@@ -95,7 +95,10 @@ def tensor_record(dtype: torch.dtype, shape: tuple[int, ...]) -> TensorRecord:
     if nbytes == 0:
         return TensorRecord(bytes(image), 0, b"")
     if len(gaps) != 1 or gaps[0][1] != nbytes or gaps[0][0] % ALIGN:
-        raise RuntimeError(f"unexpected torch.save layout for {dtype} {shape}: gaps {gaps}")
+        raise TierckptError(
+            f"torch {torch.__version__} lays out torch.save archives in a way tierckpt does not know "
+            f"({dtype} {shape}: data holes {gaps}); use a torch version tierckpt supports (see pyproject.toml)"
+        )
     hole = gaps[0][0]
     return TensorRecord(bytes(image[:hole]), nbytes, bytes(image[hole + nbytes :]))
 

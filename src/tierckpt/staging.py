@@ -8,14 +8,18 @@ and a crashed save's staging directory frees them when garbage-collected. Mappin
 open across saves, so after the first save a copy touches no new page.
 
 Call order (one rank): ``acquire(nbytes)`` → write through ``Slot.buffer`` → the memory
-tier's ``put_file(..., slot.path)`` → ``release(slot)``.
+tier's ``put_file(..., slot.path)`` → ``release(slot)``. ``reserve(nbytes, count)`` may run
+on a background thread at any time: it allocates, maps and faults in free slots ahead of
+need (under a hidden name, published by a rename), so a later ``acquire`` finds one warm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +34,9 @@ __all__ = ["Slot", "SlotPool"]
 
 RELEASE_WAIT_S = 600.0  # longest a save waits for a durable copy to release a slot under the budget
 _log = logging.getLogger("tierckpt.staging")
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux >= 5.14; Python < 3.13 lacks the name
+_PAGE = mmap.PAGESIZE
+_PREALLOC = ".prealloc-"  # a slot being reserved: not a "slot_" name until it is ready
 
 
 @dataclass
@@ -49,6 +56,15 @@ class Slot:
         with open(self.path, "r+b") as f:
             self._mm = mmap.mmap(f.fileno(), self.size, flags=mmap.MAP_SHARED)
         self.buffer = torch.frombuffer(self._mm, dtype=torch.uint8)
+
+    def fault_in(self) -> None:
+        """Map every page now, so the first copy into the slot takes no page fault."""
+        if self._mm is None or self.buffer is None:
+            return
+        try:
+            self._mm.madvise(_MADV_POPULATE_WRITE)
+        except (OSError, ValueError):  # older kernel: touch one byte per page (the slot is free)
+            self.buffer[::_PAGE].zero_()
 
     def unmap(self) -> None:
         self.buffer = None
@@ -87,9 +103,17 @@ class SlotPool:
         self._gc = gc
         self._slots: dict[str, Slot] = {}
         self._reserved: set[str] = set()
+        self._pending = 0  # bytes that reserve() is allocating now (count against the budget)
+        self._cond = threading.Condition()  # guards the slot table; signalled when a reservation lands
 
     def acquire(self, nbytes: int) -> Slot:
         """A free slot resized to ``nbytes`` and mapped; MemoryBudgetError if none fits."""
+        with self._cond:
+            if self._pending and self._find_free(nbytes) is None:
+                self._cond.wait_for(lambda: not self._pending)  # a warm slot is on its way
+            return self._acquire_locked(nbytes)
+
+    def _acquire_locked(self, nbytes: int) -> Slot:
         if self.budget_bytes is not None and nbytes > self.budget_bytes:
             raise MemoryBudgetError(
                 f"one step of rank {self.rank} needs {_mib(nbytes)} of shared memory, but "
@@ -154,7 +178,7 @@ class SlotPool:
                 _log.warning("[Rank %d] memory budget full: waiting for a durable copy or a commit to "
                              "release a slot (%d held)", self.rank, len(busy))
                 warned = True
-            time.sleep(0.005)
+            self._cond.wait(0.005)  # called under the lock: let release() and reserve() run meanwhile
             self._evict()  # a commit that just landed may have made an older step evictable
             slot = self._find_free(nbytes)
             if slot is None and self._fits(nbytes):
@@ -165,7 +189,86 @@ class SlotPool:
 
     def release(self, slot: Slot) -> None:
         """Hand the slot back after it was linked (or after a failed save)."""
-        self._reserved.discard(slot.path.name)
+        with self._cond:
+            self._reserved.discard(slot.path.name)
+
+    def reserve(self, nbytes: int, count: int) -> int:
+        """Make ``count`` slots of ``nbytes`` exist, allocated, mapped and faulted in.
+
+        Runs on any thread, concurrently with ``acquire``; the heavy part (allocating and
+        touching the pages) happens outside the lock, on a free slot of another size marked
+        taken, or on a new file under a hidden name. Stops early, quietly, where the budget
+        or the file system has no room: the saves then allocate (or evict) as before.
+        Returns the number of slots it prepared.
+        """
+        if nbytes <= 0:
+            return 0
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._remove_dead_reservations()
+        done = 0
+        while True:
+            with self._cond:
+                target, extra = self._next_to_reserve(nbytes, count)
+                if extra < 0:
+                    return done
+                self._pending += extra
+                if target is not None:
+                    self._reserved.add(target.path.name)
+            try:
+                if target is None:
+                    self._prepare_new(nbytes)
+                else:
+                    self._resize(target, nbytes)
+                    target.fault_in()
+            except StorageError:
+                return done
+            finally:
+                with self._cond:
+                    self._pending -= extra
+                    if target is not None:
+                        self._reserved.discard(target.path.name)
+                    self._cond.notify_all()
+            done += 1
+
+    def _next_to_reserve(self, nbytes: int, count: int) -> tuple[Slot | None, int]:
+        """(a free slot of another size to resize, or None for a new one; extra bytes); -1: nothing."""
+        slots = self._scan()
+        if sum(1 for s in slots.values() if s.size == nbytes) >= count:
+            return None, -1
+        for name, slot in slots.items():
+            if name not in self._reserved and slot.size != nbytes and slot.links() == 1:
+                extra = max(0, nbytes - slot.size)
+                return (slot, extra) if self._fits(extra) else (None, -1)
+        if len(slots) < count and self._fits(nbytes):
+            return None, nbytes
+        return None, -1
+
+    def _prepare_new(self, nbytes: int) -> None:
+        """Allocate and fault in a new slot under a hidden name, then publish it (under the lock)."""
+        tmp = self.dir / f"{_PREALLOC}{os.getpid()}-{threading.get_ident()}"
+        tmp.touch()
+        slot = Slot(tmp, 0)
+        try:
+            self._resize(slot, nbytes)
+            slot.fault_in()
+            with self._cond:
+                name = self._free_name()
+                os.rename(tmp, self.dir / name)
+                slot.path = self.dir / name
+                self._slots[name] = slot
+        except BaseException:
+            slot.unmap()
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _remove_dead_reservations(self) -> None:
+        """A process that died while reserving left a hidden file: delete it."""
+        for entry in os.scandir(self.dir):
+            if entry.name.startswith(_PREALLOC):
+                pid = entry.name[len(_PREALLOC):].split("-", 1)[0]
+                if pid.isdigit() and not _alive(int(pid)):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
 
     def close(self) -> None:
         """Unmap every slot and delete the free ones: their memory goes back to the node.
@@ -173,6 +276,10 @@ class SlotPool:
         Slots that hold committed steps stay (they are the memory tier); a later job
         allocates new slots on its first saves.
         """
+        with self._cond:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
         for slot in self._slots.values():
             slot.unmap()
         self._slots.clear()
@@ -184,7 +291,8 @@ class SlotPool:
             self._slots.clear()
 
     def held_bytes(self) -> int:
-        return sum(s.size for s in self._scan().values())
+        """Bytes of this rank's slots, counting those being reserved now."""
+        return sum(s.size for s in self._scan().values()) + self._pending
 
     # -- internals ----------------------------------------------------------------
     def _scan(self) -> dict[str, Slot]:
@@ -193,7 +301,8 @@ class SlotPool:
             if entry.name.startswith("slot_"):
                 slot = self._slots.get(entry.name)
                 size = entry.stat().st_size
-                if slot is None or slot.size != size:
+                # a taken slot keeps its object: reserve() may be resizing it outside the lock
+                if slot is None or (slot.size != size and entry.name not in self._reserved):
                     if slot is not None:
                         slot.unmap()
                     slot = Slot(Path(entry.path), size)
@@ -223,10 +332,12 @@ class SlotPool:
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize >= extra
 
-    def _new_slot(self) -> Slot:
+    def _free_name(self) -> str:
         taken = {int(n.split("_", 1)[1]) for n in self._scan() if n.split("_", 1)[1].isdigit()}
-        k = next(i for i in range(len(taken) + 1) if i not in taken)
-        path = self.dir / f"slot_{k}"
+        return f"slot_{next(i for i in range(len(taken) + 1) if i not in taken)}"
+
+    def _new_slot(self) -> Slot:
+        path = self.dir / self._free_name()
         path.touch()
         slot = Slot(path, 0)
         self._slots[path.name] = slot
@@ -251,6 +362,16 @@ class SlotPool:
                 ) from exc
             slot.size = nbytes
             slot.map()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _mib(n: int) -> str:

@@ -86,3 +86,42 @@ def test_dcp_plugins_two_ranks_resume_from_memory(shm):
             assert out["step"] == expect_step
             assert out["tiers"] == ["memory"]
             assert_state_equal(from_wire(out["state"]), small_state(expect_step, rank))
+
+
+def _save_overlapped(rank: int, memory_dir: str, steps: list[int]) -> list[int]:
+    """Each step: set the state to small_state(step), save overlapped, then let SGD change it."""
+    import torch
+
+    sd = small_state(steps[0], rank)
+    params = [sd["model"]["w"], sd[f"rank{rank}"]["opt"]]
+    for p in params:
+        p.requires_grad_(True)
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.SGD(params, lr=1.0)
+    with tierckpt.Checkpointer(_config(memory_dir, memory_steps_retained=2)) as ck:
+        ck.register_fence(opt)
+        for step in steps:
+            with torch.no_grad():
+                want = small_state(step, rank)
+                for p, src in zip(params, (want["model"]["w"], want[f"rank{rank}"]["opt"]), strict=True):
+                    p.copy_(src)
+                sd["model"]["b"].copy_(want["model"]["b"])
+                sd[f"rank{rank}"]["ids"].copy_(want[f"rank{rank}"]["ids"])
+            sd["step"] = step
+            handle = ck.save(step, sd, overlap=True, check_snapshot=True)
+            opt.step()  # fenced: waits for the copy, then changes w and opt in place
+            handle.wait_staged()
+            sd[f"rank{rank}"]["ids"].add_(1)  # after wait_staged: not in the checkpoint either
+        ck.wait()
+        return [info.step for info in ck.steps()]
+
+
+def test_overlapped_saves_two_ranks_load_the_values_at_the_call(shm):
+    mem = shm()
+    assert run_ranks(_save_overlapped, 2, mem, [1, 2, 3]) == [[2, 3], [2, 3]]
+    for want in (None, 2):
+        loaded = run_ranks(_load_checkpointer, 2, mem, want)
+        for rank, out in enumerate(loaded):
+            expect_step = 3 if want is None else 2
+            assert out["step"] == expect_step and out["tiers"] == ["memory"]
+            assert_state_equal(from_wire(out["state"]), small_state(expect_step, rank))

@@ -219,12 +219,23 @@ def test_logs_in_the_seed_format(cfg: CheckpointConfig, caplog) -> None:
 
 
 def test_save_blocks_only_for_the_copy_and_commits_in_the_background(cfg: CheckpointConfig, shm_root: Path) -> None:
+    import threading
+
     with Checkpointer(cfg.replace(durable_url=None)) as ck:
-        handle = ck.save(1, state(1))
-        assert handle.staged and handle.blocking_s > 0
+        gate = threading.Event()
+        ck._save._committer.submit(gate.wait)  # hold the committer thread: save must not need it
+        sd = state(1)
+        handle = ck.save(1, sd)
+        assert handle.staged and handle.blocking_s > 0  # the copy is done when save returns ...
+        assert not handle.done() and not (shm_root / "unit" / "step_1").exists()  # ... the commit is not
+        sd["model"]["w"].zero_()  # allowed: the copy is taken
+        gate.set()
         handle.memory_committed(timeout=60)
         assert (shm_root / "unit" / "step_1" / "COMMITTED").exists()
         assert handle.done()
+        out = blank()
+        assert ck.load(out) == 1
+    assert_same(out, state(1))
 
 
 def test_dtensor_free_nested_lists_and_stateful(cfg: CheckpointConfig) -> None:

@@ -1,11 +1,13 @@
 """``tierckpt bench local``: tierckpt against memcpy, torch.save and DCP, same state, same run.
 
     tierckpt bench local [--size-mib 2048] [--tensors 64] [--world-size 1|2] [--repeats 3]
-                         [--methods NAME,...] [--leak-mib 256] [--leak-saves 50] [--json PATH]
+                         [--methods NAME,...] [--leak-mib SIZE] [--leak-saves 50] [--json PATH]
     python -m tierckpt.bench.local [same options]
 
 Methods (all by default, run in this order): memcpy_numpy, memcpy_torch, torch_save, dcp_fs,
-dcp_async, tierckpt, tierckpt_dcp, leak. Each figure is the median of ``--repeats`` timed
+dcp_async, tierckpt, training, first_saves, tierckpt_dcp, paired, leak (training and
+first_saves: see ``tierckpt.bench.training``). A line is printed as each method finishes,
+the table at the end. The leak check saves a state of ``--leak-mib`` (default: --size-mib). Each figure is the median of ``--repeats`` timed
 runs after one warm-up (two for tierckpt, whose first two saves each allocate a shared-memory
 slot; the JSON keeps warm-up times); every load is checked bitwise against what was saved. The report
 ends with the goals of issue 4 (ARCHITECTURE.md section 7), each PASS or MISS with the
@@ -55,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per figure after the warm-up (default 3)")
     p.add_argument("--methods", default="all",
                    help="comma-separated subset of: " + ", ".join(runner.ALL_METHODS) + " (default all)")
-    p.add_argument("--leak-mib", type=int, default=256, help="state size of the leak check (default 256)")
+    p.add_argument("--leak-mib", type=int, default=None, help="state size of the leak check (default: --size-mib)")
     p.add_argument("--leak-saves", type=int, default=50, help="saves in the leak check (default 50)")
     p.add_argument("--shm-dir", default="/dev/shm", help="tmpfs for the run's scratch directory")
     p.add_argument("--json", metavar="PATH", help="also write every figure, run and verdict here")
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p = _parser()
     args = p.parse_args(argv)
     methods = _methods(p, args.methods)
+    if args.leak_mib is None:
+        args.leak_mib = args.size_mib
     for name in ("size_mib", "tensors", "repeats", "leak_mib", "leak_saves"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -97,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             "torch_threads": 1 if args.world_size > 1 else torch.get_num_threads(),
             "load_average_start": list(load_average()), "cpu_pressure_start": cpu_pressure(),
         }
+        print(f"tierckpt bench (local): {spec.nbytes / 2**30:.3f} GiB in {args.tensors} tensors, world size "
+              f"{args.world_size}: {', '.join(methods)}", flush=True)
         try:
             merged = runner.run(opts)
         except _rank_failures() as exc:

@@ -28,6 +28,17 @@ ROWS = (
     ("tierckpt", "blocking", "tierckpt Checkpointer.save: call blocks"),
     ("tierckpt", "save", "tierckpt save to memory: until result()"),
     ("tierckpt", "load", "tierckpt Checkpointer.load from memory"),
+    ("training", "copy", "loop: torch copy_ of the state (anchor)"),
+    ("training", "step_nosave", "loop: a step, no save"),
+    ("training", "step_blocking", "loop: a step + blocking save"),
+    ("training", "step_overlap", "loop: a step + overlapped save"),
+    ("training", "stall_blocking", "loop: blocking save, stall (call)"),
+    ("training", "stall_overlap", "loop: overlapped save, stall (call + fence)"),
+    ("training", "fence_overlap", "loop: overlapped save, of which the fence"),
+    ("first_saves", "first", "first save of a Checkpointer (call)"),
+    ("first_saves", "reserve", "background slot reservation after it"),
+    ("first_saves", "later", "saves 2-5 (call), median"),
+    ("first_saves", "later_max", "saves 2-5 (call), slowest"),
     ("tierckpt_dcp", "save", "tierckpt dcp.save + TieredStorageWriter"),
     ("tierckpt_dcp", "load", "tierckpt dcp.load + TieredStorageReader"),
     ("paired", "copy", "rounds: torch copy_ into preallocated"),
@@ -163,6 +174,7 @@ def _common_goals(figs: dict[str, Any], checks: dict[str, bool], leak: dict[str,
         None if worst is None else worst[0] / state_bytes, 0.10, at_least=False, unit="%",
         detail="" if worst is None else f"worst: {worst[1]}, {worst[0] / 2**20:.1f} MiB",
     ))
+    goals += _overlap_goals(figs, checks)
     if "tierckpt.snapshot" in checks:
         ok = checks["tierckpt.snapshot"]
         goals.append({"goal": "save is a snapshot (tensors changed after save returns are not saved)",
@@ -174,6 +186,32 @@ def _common_goals(figs: dict[str, Any], checks: dict[str, bool], leak: dict[str,
             leak["growth_bytes"] / leak["state_bytes"], 0.01, at_least=False, unit="%",
             detail=f"{leak['growth_bytes'] / 2**20:+.2f} MiB over a {leak['state_bytes'] / 2**20:.0f} MiB state; "
             f"DCP FileSystemWriter, same saves: {leak['dcp_fs_growth_bytes'] / 2**20:+.2f} MiB",
+        ))
+    return goals
+
+
+def _overlap_goals(figs: dict[str, Any], checks: dict[str, bool]) -> list[dict[str, Any]]:
+    """Issue 9's overlapped-save and cold-save goals; ratios per round, then the median."""
+    goals: list[dict[str, Any]] = []
+    if "training.stall_overlap" in figs:
+        r = _round_ratio
+        goals.append(_goal(
+            "overlapped save's visible stall <= 0.1 x memcpy", r(figs, "training.stall_overlap", "training.copy"),
+            0.1, at_least=False,
+            detail=f"save call + fence wait / torch copy_ of the state; blocking save: "
+            f"{_fmt_x(r(figs, 'training.stall_blocking', 'training.copy'))}; a step with a save every step vs none: "
+            f"overlapped {_fmt_x(r(figs, 'training.step_overlap', 'training.step_nosave'))}, blocking "
+            f"{_fmt_x(r(figs, 'training.step_blocking', 'training.step_nosave'))}",
+        ))
+    if "training.overlap_snapshot" in checks:
+        goals.append({"goal": "overlapped save is a snapshot (the optimizer step right after it is not saved)",
+                      "value": None, "unit": None, "limit": None, "at_least": None,
+                      "pass": checks["training.overlap_snapshot"], "detail": ""})
+    if "first_saves.later_max" in figs:
+        goals.append(_goal(
+            "no save after the first slower than the rest (slowest <= 1.5 x median of saves 2-5)",
+            _round_ratio(figs, "first_saves.later_max", "first_saves.later"), 1.5, at_least=False,
+            detail=f"first save / later median: {_fmt_x(_round_ratio(figs, 'first_saves.first', 'first_saves.later'))}",
         ))
     return goals
 

@@ -25,10 +25,16 @@ from torch.multiprocessing.spawn import start_processes
 
 from tierckpt.bench.measure import StateSpec, VerificationError, build_state, empty_like_state
 from tierckpt.bench.methods import METHODS, Rank, Recorder, leak_check
+from tierckpt.bench.training import TRAINING
 
-__all__ = ["ALL_METHODS", "Options", "merge", "run"]
+__all__ = ["ALL_METHODS", "TIMED", "Options", "merge", "progress_line", "run"]
 
-ALL_METHODS = (*METHODS, "leak")
+# the training-loop methods right after tierckpt's own (the DCP plug-in stays near the end:
+# its process-wide runtime keeps slots mapped until exit)
+_order = list(METHODS)
+_at = _order.index("tierckpt") + 1
+TIMED: dict[str, Any] = {name: {**METHODS, **TRAINING}[name] for name in [*_order[:_at], *TRAINING, *_order[_at:]]}
+ALL_METHODS = (*TIMED, "leak")
 _TIMEOUT = datetime.timedelta(minutes=20)
 
 
@@ -44,6 +50,7 @@ class Options:
     leak_bytes: int
     leak_saves: int
     root: str
+    progress: bool = True  #: rank 0 prints a line per method as it finishes
 
 
 def run(opts: Options) -> dict[str, Any]:
@@ -100,19 +107,21 @@ def run_rank(rank: int, opts: Options) -> dict[str, Any]:
     with warnings.catch_warnings():
         # DCP without a process group (world size 1) warns on every call
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        timed = [m for m in opts.methods if m in METHODS]
+        timed = [m for m in opts.methods if m in TIMED]
         if timed:
             state = build_state(StateSpec.for_size(opts.size_bytes, opts.tensors, ws), rank, ws, mesh)
             ctx = Rank(rank, ws, state, empty_like_state(state), root, opts.repeats)
             for name in timed:
                 rec = Recorder()
                 try:
-                    METHODS[name](ctx, rec)
+                    TIMED[name](ctx, rec)
                 except VerificationError as exc:  # raised on every rank alike: go on together
                     out["failures"][name] = str(exc)
                     continue
                 out["methods"][name] = rec.figures
                 out["checks"].update({f"{name}.{k}": v for k, v in rec.checks.items()})
+                if opts.progress and rank == 0:
+                    print(progress_line(name, rec.figures), flush=True)
                 gc.collect()
             del ctx, state
             gc.collect()
@@ -120,7 +129,17 @@ def run_rank(rank: int, opts: Options) -> dict[str, Any]:
             state = build_state(StateSpec.for_size(opts.leak_bytes, opts.tensors, ws), rank, ws, mesh)
             ctx = Rank(rank, ws, state, {}, root, 0)
             out["leak"] = leak_check(ctx, state, opts.leak_saves)
+            if opts.progress and rank == 0:
+                anon = out["leak"]["tierckpt"]
+                print(f"  done leak: {len(anon)} saves, anonymous RSS {anon[0] / 2**20:.0f} -> "
+                      f"{anon[-1] / 2**20:.0f} MiB (this rank)", flush=True)
     return out
+
+
+def progress_line(name: str, figures: dict[str, dict[str, list[Any]]]) -> str:
+    """``  done NAME: fig median s, ...`` (this rank's figures, before the merge)."""
+    parts = [f"{fig} {sorted(f['s'])[len(f['s']) // 2]:.4f}s" for fig, f in figures.items() if f["s"]]
+    return f"  done {name}: " + ", ".join(parts)
 
 
 def _source(per_rank: tuple[str | None, ...]) -> str | None:

@@ -1,0 +1,135 @@
+"""Loading a step through DCP: the agreed newest loadable step, falling back past bad copies.
+
+Call order (every rank, same order, same arguments): ``Loader.load(state_dict, step)`` after
+the caller waited for its own saves. Global mode: one ``dcp.load`` with a
+``TieredStorageReader`` that agrees on a step across ranks; an integrity failure of the
+newest step retries with that step excluded. Local mode: ranks agree on a step every rank
+holds (``localmode.agree``), each reads only its own shards, and all confirm together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+from tierckpt import guard, localmode, metrics
+from tierckpt.config import CheckpointConfig
+from tierckpt.dcp.reader import TieredStorageReader
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StateDictMismatchError, TierckptError
+from tierckpt.observability import StepLogger
+from tierckpt.runtime import RankRuntime
+
+__all__ = ["Loader", "quiet_dcp_fallback", "unwrap"]
+
+
+class Loader:
+    """Loads for one ``Checkpointer``; ``last_load`` describes the latest successful load."""
+
+    def __init__(self, config: CheckpointConfig, runtime: RankRuntime, log: StepLogger, *,
+                 group: dist.ProcessGroup | None, agree_group: dist.ProcessGroup | None) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.log = log
+        self.group = group  # the training group: global-mode DCP collectives
+        self.agree_group = agree_group  # local mode: the side group of the agreement
+        self.last_load: dict[str, Any] = {}
+
+    def load(self, state_dict: dict[str, Any], step: int | None) -> int | None:
+        """Load the newest loadable step (or ``step``) in place; None when nothing exists."""
+        if self.config.local_mode:
+            return self._load_local(state_dict, step)
+        excluded: list[int] = []
+        failures: list[tuple[int, str]] = []
+        while True:
+            reader = TieredStorageReader(
+                self.config, step, process_group=self.group, exclude_steps=excluded,
+                expect=state_dict, _runtime=self.runtime,
+            )
+            t0 = time.perf_counter()
+            try:
+                with warnings.catch_warnings(), quiet_dcp_fallback():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp_load(state_dict, storage_reader=reader, process_group=self.group)
+            except CheckpointException as exc:
+                err = reader.failure or unwrap(exc)
+                if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
+                    self.log.info(None, "no checkpoint found; starting fresh")
+                    return None
+                if isinstance(err, IntegrityError) and step is None and reader.step is not None:
+                    self.log.warning(reader.step, "failed to load (%s); trying an older step", err)
+                    excluded.append(reader.step)
+                    failures.append((reader.step, f"failed to load: {err}"))
+                    continue
+                raise err from err.__cause__
+            self.last_load = {
+                "step": reader.step, "seconds": time.perf_counter() - t0,
+                "tiers": sorted(set(reader.tiers_used.values())),
+                "skipped": failures + [tuple(s) for s in reader.skipped],  # (step, reason) pairs
+            }
+            metrics.loaded(self)
+            self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
+            return reader.step
+
+    def _load_local(self, state_dict: dict[str, Any], step: int | None) -> int | None:
+        """Local mode: agree on a step every rank holds, then each rank reads only its own shards."""
+        local_sd = localmode.localize(state_dict)
+        excluded: set[int] = set()
+        while True:
+            chosen = localmode.agree(self.runtime, step, excluded, self.agree_group)
+            if chosen is None:
+                if excluded:
+                    raise IntegrityError(f"no step loads on every rank; failed: {sorted(excluded)}")
+                self.log.info(None, "no checkpoint found; starting fresh")
+                return None
+            reader = TieredStorageReader(self.runtime.config, chosen, expect=local_sd, single_process=True,
+                                         _runtime=self.runtime)
+            t0, error = time.perf_counter(), None
+            try:
+                with warnings.catch_warnings(), quiet_dcp_fallback():
+                    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                    dcp_load(local_sd, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:
+                error = reader.failure or unwrap(exc)
+            if localmode.confirm(error is None, self.agree_group):
+                self.last_load = {"step": chosen, "seconds": time.perf_counter() - t0,
+                                  "tiers": sorted(set(reader.tiers_used.values())),
+                                  "skipped": [(s, "failed to load on some rank") for s in sorted(excluded)]}
+                localmode.write_back(state_dict, local_sd)
+                metrics.loaded(self)
+                return chosen
+            if step is not None or isinstance(error, (StateDictMismatchError,)):
+                raise error if error is not None else IntegrityError(f"step {chosen} failed to load on another rank", step=chosen)
+            self.log.warning(chosen, "failed to load on some rank (%s); trying an older step", error)
+            excluded.add(chosen)
+
+
+def unwrap(exc: CheckpointException) -> BaseException:
+    """The first tierckpt error inside DCP's per-rank wrapper, else the wrapper itself."""
+    for _, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, TierckptError):
+            return inner
+    return guard.typed(exc)
+
+
+@contextlib.contextmanager
+def quiet_dcp_fallback() -> Iterator[None]:
+    """DCP logs a traceback when read_metadata raises; tierckpt reports that error itself."""
+    dcp_logger = logging.getLogger()  # DCP's state_dict_loader logs on the root logger
+
+    def drop(record: logging.LogRecord) -> bool:
+        return "metadata is not found" not in record.getMessage()
+
+    dcp_logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        dcp_logger.removeFilter(drop)

@@ -1,0 +1,196 @@
+"""The save path of ``Checkpointer``: stage into a slot, commit in memory, queue the drain.
+
+Call order (every rank, same order): ``SavePath.save`` waits for the previous save's memory
+commit (one save in flight per rank), copies the state into a shared-memory slot (or, with
+``overlap``, starts the copy and returns), then hands the snapshot to the committer thread,
+which waits for the copy (``SaveHandle.wait_staged`` returns then), plans (cached),
+checksums and commits the step in memory, makes it visible on other nodes, and queues the
+durable copy. ``fence`` orders the caller after the pending copy (an optimizer's step
+pre-hook calls it). After a save, a reservation thread allocates and faults in the slots
+the next saves will need (``memory_steps_retained + 1`` in all, within the budget), so only
+the first save of a state size pays for allocation. ``wait`` waits for every handle;
+``close`` stops the threads after ``wait``.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from tierckpt import guard, localmode, metrics, monitor
+from tierckpt.dcp.writer import TieredStorageWriter
+from tierckpt.drain import DrainQueue
+from tierckpt.handles import SaveHandle, settle
+from tierckpt.loading import unwrap
+from tierckpt.observability import StepLogger, throughput
+from tierckpt.runtime import RankRuntime
+from tierckpt.snapshot import Snapshot, resolve_stateful
+from tierckpt.topology import NodeTopology
+
+__all__ = ["SavePath"]
+
+
+class SavePath:
+    """Saves of one ``Checkpointer``: the committer thread, the in-flight save, the handles."""
+
+    def __init__(self, runtime: RankRuntime, topology: NodeTopology, drains: DrainQueue | None,
+                 log: StepLogger, *, local: bool) -> None:
+        self.runtime = runtime
+        self.topo = topology
+        self.drains = drains
+        self.log = log
+        self.local = local  # the runtime's per-rank config of local mode is not itself in local mode
+        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-copy")  # overlapped CPU copies
+        self._reserver = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-reserve")
+        self._reserved_for = 0  # slot size the reservation thread last prepared
+        self._reservation: Future[int] | None = None
+        self._pending: Snapshot | None = None  # the overlapped snapshot whose copy may still run
+        self._inflight: Future[None] | None = None
+        self._handles: list[SaveHandle] = []
+        self._saves = 0  # saves committed here: the same count on every rank
+
+    def save(self, step: int, state_dict: dict[str, Any], go_durable: bool, *, overlap: bool = False,
+             check_snapshot: bool = False) -> SaveHandle:
+        """Copy ``state_dict`` into a slot (or start to, with ``overlap``), then commit in the background."""
+        self.wait_inflight(step)
+        t0 = time.perf_counter()
+        try:  # objects that cannot be saved are reported here, naming the key, before any copy
+            sd = guard.saveable(localmode.localize(state_dict) if self.local else resolve_stateful(state_dict), step)
+            snap = self.runtime.stager.stage(sd, copier=self._copier if overlap else None,
+                                             checksums=overlap and check_snapshot, step=step)
+        except Exception as exc:
+            raise (err := guard.typed(exc, step=step)) from err.__cause__
+        handle = SaveHandle(step, go_durable, 0.0)
+        if overlap:
+            self._pending = snap
+            if snap._copy is not None:  # CPU: staged as soon as the copy thread is done
+                snap._copy.add_done_callback(lambda f: _chain(f, handle._staged))
+        else:
+            try:
+                self._staged(snap, handle)
+            except BaseException:
+                self.runtime.stager.release(snap)
+                raise
+        handle.blocking_s = blocking = time.perf_counter() - t0
+        monitor.beat()  # a long save is progress, not a hang (tierckpt run)
+        metrics.save_staged(self.runtime, handle, snap.nbytes)
+        self.log.info(step, "%s %d bytes in shared memory in %s; committing in the background",
+                      "started copying" if overlap else "staged", snap.nbytes, throughput(snap.nbytes, blocking))
+        self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
+        self._handles = [h for h in self._handles if not h.done()] + [handle]
+        if snap.nbytes != self._reserved_for:  # a first save or a new size: start now; else after the commit
+            self.reserve(snap.nbytes)
+        return handle
+
+    def fence(self) -> None:
+        """Order what the caller does next after the pending overlapped copy; never raises."""
+        snap = self._pending
+        if snap is not None:
+            snap.fence()
+
+    def reserve(self, nbytes: int) -> Future[int]:
+        """Prepare the slots for saves of ``nbytes`` in the background; the future gives the count prepared."""
+        count = self.runtime.config.memory_steps_retained + 1
+        self._reserved_for = nbytes
+        self._reservation = self._reserver.submit(self.runtime.pool.reserve, nbytes, count)
+        return self._reservation
+
+    def _reserve_next(self, nbytes: int) -> None:
+        """Top the slots up for the next saves, unless a reservation is still running.
+
+        Called on the committer thread after each commit: retention may just have freed a
+        slot of an older size, which is then resized ahead of need. (A save of a new size
+        starts a reservation itself.)
+        """
+        running = self._reservation
+        if running is None or running.done() or nbytes != self._reserved_for:
+            self.reserve(nbytes)
+
+    def _staged(self, snap: Snapshot, handle: SaveHandle) -> None:
+        snap.wait_copied()
+        settle(handle._staged)
+
+    def wait_inflight(self, step: int | None) -> None:
+        """Wait for the previous save's memory commit; its failure belongs to its handle."""
+        inflight = self._inflight
+        if inflight is not None and not inflight.done():
+            self.log.info(step, "waiting for the previous save to commit (one save in flight per rank)")
+        if inflight is not None:
+            inflight.exception()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far finished; raise the first failure."""
+        first: BaseException | None = None
+        for handle in list(self._handles):
+            try:
+                handle.result(timeout)
+            except BaseException as exc:
+                first = first or exc
+        self._handles = []
+        if first is not None:
+            raise first
+
+    def settle(self) -> None:
+        """Wait for every save and durable copy so far without raising (before a load)."""
+        self.wait_inflight(None)
+        for h in self._handles:
+            h._future.exception()
+
+    def close(self) -> None:
+        self._committer.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
+        self._reserver.shutdown(wait=True)
+        self._pending = None
+
+    def _write_memory(self, writer: TieredStorageWriter, snap: Snapshot) -> None:
+        writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
+        writer._commit_nodes = False  # commit_other_nodes broadcasts on the commit group instead
+        self._saves += 1
+        writer._save_seq = self._saves
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                if self.local:  # this rank's shards alone, as one single-process checkpoint
+                    dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner, no_dist=True)
+                else:
+                    dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
+                             process_group=self.topo.commit_group)
+        except CheckpointException as exc:
+            raise (err := unwrap(exc)) from err.__cause__
+
+    def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
+        writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
+        writer._snapshot = snap
+        try:
+            self._staged(snap, handle)  # an overlapped copy lands (or fails) here
+            self._write_memory(writer, snap)
+            save_id = writer._plan_data.save_id if writer._plan_data is not None else None
+            small = self.topo.commit_other_nodes(self.runtime, step, save_id, writer.committed)
+        except BaseException as raw:
+            failure = guard.typed(raw, step=step)
+            if writer._snapshot is not None:  # failed before write_data took the slot
+                self.runtime.stager.release(snap)
+            self.log.warning(step, "save failed: %s", failure)
+            metrics.save_failed(self.runtime, handle)
+            handle._fail(failure)
+            return
+        metrics.memory_committed(self.runtime, handle)
+        handle._memory.set_result(None)
+        self._reserve_next(snap.nbytes)
+        if not go_durable or self.drains is None or save_id is None:
+            handle._future.set_result(None)
+            return
+        future = self.drains.submit(step, save_id, list(writer.files_written), small)
+        future.add_done_callback(lambda f: _chain(f, handle._future))
+
+
+def _chain(src: Future[None], dst: Future[None]) -> None:
+    settle(dst, src.exception())
