@@ -18,8 +18,9 @@ def test_bench_replication_reports_every_figure(tmp_path: Path, capsys: pytest.C
     out_json = tmp_path / "repl.json"
     rc = main(["--size-mib", "4", "--rounds", "1", "--saves", "1", "--gap", "0", "--server-dir", str(tmp_path),
                "--json", str(out_json)])
-    text = capsys.readouterr().out
-    assert rc == 0, text
+    captured = capsys.readouterr()
+    text = captured.out
+    assert rc == 0, captured.out + captured.err
     for line in ("replication to a peer agent", "plain socket copy", "goal >= 0.8", "restore from a peer replica",
                  "restore from durable file://", "restore from S3 (SeaweedFS)", "goal >= 5",
                  "save blocking, no agent", "save blocking, agents on", "<= 1.1"):
