@@ -332,22 +332,30 @@ class Checkpointer:
             raise first
 
     # -- load -------------------------------------------------------------------------
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int | None:
-        """Load the newest loadable step (or ``step``) in place; None when nothing exists."""
+    def load(
+        self, state_dict: dict[str, Any], step: int | None = None, *, strict: bool = False, trusted: bool | None = None
+    ) -> int | None:
+        """Load the newest loadable step (or ``step``) in place; None when nothing exists.
+
+        ``strict=True`` refuses dtype casts and checkpoint keys the state dict does not load
+        (StateDictMismatchError; by default each is a warning). ``trusted`` overrides the
+        config's: True unpickles the checkpoint's objects without the allow-list.
+        """
         self._check_open()
         if step is not None:
             layout.validate_step(step)
         self._wait_inflight(step)  # a load after a save sees that save
         for h in self._handles:  # ... and its durable copy
             h._future.exception()
+        checks = {"strict": strict, "trusted": trusted, "verify_ahead": False}  # items are checked while read
         if self.local:
-            return self._load_local(state_dict, step)
+            return self._load_local(state_dict, step, checks)
         excluded: list[int] = []
         failures: list[tuple[int, str]] = []
         while True:
             reader = TieredStorageReader(
                 self.config, step, process_group=self.group, exclude_steps=excluded,
-                expect=state_dict, _runtime=self.runtime,
+                expect=state_dict, _runtime=self.runtime, **checks,
             )
             t0 = time.perf_counter()
             try:
@@ -373,7 +381,7 @@ class Checkpointer:
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
 
-    def _load_local(self, state_dict: dict[str, Any], step: int | None) -> int | None:
+    def _load_local(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any]) -> int | None:
         """Local mode: agree on a step every rank holds, then each rank reads only its own shards."""
         local_sd = localmode.localize(state_dict)
         excluded: set[int] = set()
@@ -385,7 +393,7 @@ class Checkpointer:
                 self.log.info(None, "no checkpoint found; starting fresh")
                 return None
             reader = TieredStorageReader(self.runtime.config, chosen, expect=local_sd, single_process=True,
-                                         _runtime=self.runtime)
+                                         _runtime=self.runtime, **checks)
             t0, error = time.perf_counter(), None
             try:
                 with warnings.catch_warnings(), _quiet_dcp_fallback():
