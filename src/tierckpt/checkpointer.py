@@ -347,7 +347,7 @@ class Checkpointer:
         self._wait_inflight(step)  # a load after a save sees that save
         for h in self._handles:  # ... and its durable copy
             h._future.exception()
-        checks = {"strict": strict, "trusted": trusted, "verify_ahead": False}  # items are checked while read
+        checks: dict[str, Any] = {"strict": strict, "trusted": trusted, "verify_ahead": False}  # checked while read
         if self.local:
             return self._load_local(state_dict, step, checks)
         excluded: list[int] = []
