@@ -62,7 +62,6 @@ class _ViewReader:
     """``RangeReader`` over a tier that only maps or returns ranges (the peer tier)."""
 
     concurrency = 4
-    min_direct = 0
 
     def __init__(self, tier: Tier, step: int, name: str) -> None:
         self.tier, self.step, self.name = tier, step, name
@@ -86,6 +85,11 @@ class _ViewReader:
             if hasher is not None:
                 hasher.update(out[lo : lo + _PIECE])
 
+    def read_scattered(self, offset: int, outs: list[memoryview], hasher: Hasher | None = None) -> None:
+        for out in outs:
+            self.read_into(offset, out, hasher)
+            offset += len(out)
+
     def close(self) -> None:
         self._view = None
 
@@ -101,7 +105,10 @@ def open_reader(tier: Tier, step: int, name: str) -> RangeReader:
 
 def new_buffer(size: int) -> memoryview:
     """A writable scratch buffer; fresh anonymous pages when large (no zero-filling pass up front)."""
-    return memoryview(mmap.mmap(-1, size) if size >= _MAP_AT_LEAST else bytearray(size))
+    if size < _MAP_AT_LEAST:
+        return memoryview(bytearray(size))
+    # private: counted as the process's own (anonymous) memory, and freed when the view goes
+    return memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
 
 
 def read_record(reader: RangeReader, rec: layout.ItemRecord, where: str, data: memoryview | None = None) -> memoryview | None:
@@ -119,9 +126,7 @@ def read_record(reader: RangeReader, rec: layout.ItemRecord, where: str, data: m
         head, tail = rec.data_offset, rec.length - rec.data_offset - len(data)
         if head < 0 or tail < 0:
             raise IntegrityError(f"{where}: item at offset {rec.offset} is shorter than its tensor")
-        reader.read_into(rec.offset, memoryview(bytearray(head)), hasher)
-        reader.read_into(rec.offset + head, data, hasher)
-        reader.read_into(rec.offset + head + len(data), memoryview(bytearray(tail)), hasher)
+        reader.read_scattered(rec.offset, [memoryview(bytearray(head)), data, memoryview(bytearray(tail))], hasher)
         out = None
     if hasher.hexdigest() != rec.xxh3:
         raise IntegrityError(f"{where}: item at offset {rec.offset} ({rec.length} bytes) fails its checksum")

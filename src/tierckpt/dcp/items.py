@@ -143,7 +143,7 @@ class ItemReader:
 
     def _work(self, reader: RangeReader, job: _Job, where: str) -> list[bytes]:
         """Read and check one record; copy its tensors; return the bytes of its byte items."""
-        if job.direct is not None and len(job.direct) >= reader.min_direct:
+        if job.direct is not None:
             read_record(reader, job.rec, where, data=job.direct)
             return []
         buf = read_record(reader, job.rec, where)

@@ -45,15 +45,17 @@ class RangeReader(Protocol):
     ``read_into(offset, out, hasher)`` fills ``out`` with the file's bytes from ``offset``
     (StorageError when the file is shorter) and feeds them to ``hasher`` in order, each piece
     while it is still in the CPU cache where the tier can (local files); ``concurrency`` is how
-    many reads the tier serves well at once; ``min_direct`` the smallest read worth making on
-    its own (a request's round trip on S3), below which a caller reads a whole record at once.
+    many reads the tier serves well at once. ``read_scattered(offset, outs, hasher)`` is
+    ``read_into`` of consecutive bytes into several buffers in turn (a record's header, its
+    tensor's memory, its trailer), in one request where the tier has requests.
     ``close()`` when done.
     """
 
     concurrency: int
-    min_direct: int
 
     def read_into(self, offset: int, out: memoryview, hasher: Hasher | None = None) -> None: ...
+
+    def read_scattered(self, offset: int, outs: list[memoryview], hasher: Hasher | None = None) -> None: ...
 
     def close(self) -> None: ...
 

@@ -307,7 +307,6 @@ class LocalFileReader:
     """
 
     concurrency = 4
-    min_direct = 0
 
     def __init__(self, fd: int, path: Path, tier: str, step: int) -> None:
         self.fd, self.path, self.tier, self.step = fd, path, tier, step
@@ -332,6 +331,11 @@ class LocalFileReader:
             if hasher is not None:
                 hasher.update(piece)
             pos += got
+
+    def read_scattered(self, offset: int, outs: list[memoryview], hasher: Hasher | None = None) -> None:
+        for out in outs:
+            self.read_into(offset, out, hasher)
+            offset += len(out)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -33,7 +33,7 @@ from tierckpt.errors import CheckpointNotFoundError, ConfigError, DurableWriteEr
 from tierckpt.observability import get_logger
 from tierckpt.tiers.base import Hasher, Source, StepListing
 from tierckpt.tiers.s3_retry import Retrier, error_code
-from tierckpt.tiers.s3_transfer import download_into, send_views_whole, upload
+from tierckpt.tiers.s3_transfer import download_into, get_scattered, send_views_whole, upload
 
 __all__ = ["S3Reader", "S3Tier", "make_client"]
 
@@ -259,14 +259,25 @@ class S3Reader:
     def __init__(self, tier: S3Tier, key: str) -> None:
         self.tier, self.key = tier, key
         self.concurrency = tier.settings.max_concurrency
-        # a record smaller than a part comes in one GET (header, data and trailer together)
-        self.min_direct = tier.settings.part_size
 
     def read_into(self, offset: int, out: memoryview, hasher: Hasher | None = None) -> None:
         t = self.tier
         download_into(t.client, t.retrier, t.pool, self.key, offset, out, part_size=t.settings.part_size)
         if hasher is not None:
             hasher.update(out)
+
+    def read_scattered(self, offset: int, outs: list[memoryview], hasher: Hasher | None = None) -> None:
+        """Consecutive bytes into several buffers: one GET up to a part's size, else one read each."""
+        t = self.tier
+        if sum(len(o) for o in outs) <= t.settings.part_size:
+            get_scattered(t.client, t.retrier, self.key, offset, outs)
+            if hasher is not None:
+                for o in outs:
+                    hasher.update(o)
+            return
+        for o in outs:
+            self.read_into(offset, o, hasher)
+            offset += len(o)
 
     def close(self) -> None:
         """Nothing to release: the tier's client and pool outlive one file."""
