@@ -55,7 +55,7 @@ def _check(doc: dict, world_size: int) -> None:
     assert len(doc["leak"]["rss_anon_after_each"]) == 8
     assert len(doc["leak"]["dcp_fs_rss_anon_after_each"]) == 8
     # every goal was measurable in this run (a PASS or MISS, never n/a)
-    assert len(doc["goals"]) == 6 and all(g["pass"] is not None for g in doc["goals"])
+    assert len(doc["goals"]) == 7 and all(g["pass"] is not None for g in doc["goals"])
 
 
 def test_bench_one_rank(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
