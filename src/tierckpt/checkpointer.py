@@ -367,6 +367,8 @@ class Checkpointer:
                 if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
                     self.log.info(None, "no checkpoint found; starting fresh")
                     return None
+                if isinstance(err, CheckpointNotFoundError) and excluded:  # every step there was failed
+                    raise IntegrityError("no step loads: " + "; ".join(f"step {s}: {r}" for s, r in failures)) from err
                 if isinstance(err, IntegrityError) and step is None and reader.step is not None:
                     self.log.warning(reader.step, "failed to load (%s); trying an older step", err)
                     excluded.append(reader.step)

@@ -110,6 +110,18 @@ def test_checkpointer_checks_while_reading_and_falls_back_to_the_older_step(shm_
         same(out, state(1))
 
 
+def test_every_step_damaged_is_an_integrity_error_naming_them_not_a_fresh_start(shm_root: Path) -> None:
+    cfg = CheckpointConfig(namespace="load", memory_dir=str(shm_root))
+    with Checkpointer(cfg) as ck:
+        ck.save(1, state(1))
+        ck.save(2, state(2))
+        ck.wait()
+        for step in (1, 2):
+            flip_tensor_byte(shm_root / "load" / f"step_{step}")
+        with pytest.raises(IntegrityError, match=r"no step loads: step 2: .*checksum.*; step 1: .*checksum"):
+            ck.load(blank())
+
+
 def test_a_record_is_read_straight_into_its_tensor_once(cfg: CheckpointConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """Spies on the real reads (they still happen): the tensor's bytes land in the target's memory."""
     with Checkpointer(cfg) as ck:
