@@ -115,7 +115,10 @@ class ItemReader:
         if not (whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous()
                 and tuple(target.size()) == sizes and target.numel() > 0 and not target.is_conj() and not target.is_neg()):
             return None
-        raw: Any = target.reshape(-1).view(torch.uint8).numpy()  # shares the target's memory
+        try:
+            raw: Any = target.reshape(-1).view(torch.uint8).numpy()  # shares the target's memory
+        except (RuntimeError, TypeError):  # no numpy, or a tensor numpy cannot view: use a buffer
+            return None
         return memoryview(raw).cast("B")
 
     def _run(self, tier: Tier, name: str, jobs: list[_Job], planner: LoadPlanner) -> None:
