@@ -269,3 +269,15 @@ def test_trusted_and_allowed_classes_are_the_opt_ins(cfg: CheckpointConfig, tmp_
         ck.wait()
         ck.load({"w": torch.zeros(4), "extra": {"payload": None}})
     assert marker.exists()  # the opt-in is real: trusted unpickles in full (the test above is not vacuous)
+
+
+def test_read_data_before_a_step_is_chosen_is_a_typed_error(cfg: CheckpointConfig) -> None:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import LoadPlan
+
+    from tierckpt.errors import ProtocolError
+
+    reader = TieredStorageReader(cfg, step=1)
+    with pytest.raises(ProtocolError, match="before read_metadata"):  # not an assert: it holds under python -O
+        reader.read_data(LoadPlan([]), DefaultLoadPlanner())
+    assert isinstance(reader.failure, ProtocolError)
