@@ -17,6 +17,7 @@ from tierckpt import CheckpointConfig, Checkpointer, TieredStorageReader
 from tierckpt.dcp.matching import LoadMismatchWarning
 from tierckpt.dcp.safeload import UnsafeObjectError
 from tierckpt.errors import IntegrityError, StateDictMismatchError
+from tierckpt.integrity import MappedReader
 from tierckpt.tiers.local import LocalFileReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -122,47 +123,66 @@ def test_every_step_damaged_is_an_integrity_error_naming_them_not_a_fresh_start(
             ck.load(blank())
 
 
-def test_a_record_is_read_straight_into_its_tensor_once(cfg: CheckpointConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Spies on the real reads (they still happen): the tensor's bytes land in the target's memory."""
-    with Checkpointer(cfg) as ck:
-        ck.save(1, state(1))
-        ck.wait()
+READERS = {"file": LocalFileReader, "mapped": MappedReader}
+
+
+@pytest.mark.parametrize("path", ["file", "mapped"])
+def test_a_record_is_read_straight_into_its_tensor_once(cfg: CheckpointConfig, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Spies on the real reads (they still happen): the tensor's bytes land in the target's memory.
+
+    ``mapped``: the process that saved the step loads it (its slot is mapped already);
+    ``file``: another Checkpointer (a restarted process's view) reads the file with pread.
+    """
+    with Checkpointer(cfg) as saver:
+        saver.save(1, state(1))
+        saver.wait()
+        loader = saver if path == "mapped" else Checkpointer(cfg)
         out = blank()
         targets = {t.data_ptr(): k for k, t in out.items() if isinstance(t, torch.Tensor)}
-        landed: list[str] = []
+        landed: list[tuple[str, str]] = []
         read_bytes = [0]
-        real = LocalFileReader.read_into
 
-        def spy(self: LocalFileReader, offset: int, buf: memoryview, hasher: Any = None) -> None:
-            addr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr() if len(buf) else 0
-            if addr in targets:
-                landed.append(targets[addr])
-            read_bytes[0] += len(buf)
-            real(self, offset, buf, hasher)
+        def spying(kind: str, real: Any) -> Any:
+            def spy(self: Any, offset: int, buf: memoryview, hasher: Any = None) -> None:
+                addr = torch.frombuffer(buf, dtype=torch.uint8).data_ptr() if len(buf) else 0
+                if addr in targets:
+                    landed.append((targets[addr], kind))
+                read_bytes[0] += len(buf)
+                real(self, offset, buf, hasher)
+            return spy
 
-        monkeypatch.setattr(LocalFileReader, "read_into", spy)
-        assert ck.load(out) == 1
+        for kind, cls in READERS.items():  # the objects' file is not a slot: it is read from the file
+            monkeypatch.setattr(cls, "read_into", spying(kind, cls.read_into))
+        assert loader.load(out) == 1
+        if loader is not saver:
+            loader.close()
         same(out, state(1))
-        assert sorted(landed) == ["b", "n", "w"]
+        assert sorted(landed) == [("b", path), ("n", path), ("w", path)]
         manifest = json.loads((Path(cfg.memory_dir) / "load" / "step_1" / "manifest.json").read_text())
         assert read_bytes[0] == sum(i[2] for i in manifest["items"])  # every record once, nothing else
 
 
-def test_a_partial_load_reads_only_the_records_it_needs(cfg: CheckpointConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    with Checkpointer(cfg) as ck:
-        ck.save(1, state(1))
-        ck.wait()
+@pytest.mark.parametrize("path", ["file", "mapped"])
+def test_a_partial_load_reads_only_the_records_it_needs(cfg: CheckpointConfig, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    with Checkpointer(cfg) as saver:
+        saver.save(1, state(1))
+        saver.wait()
+        loader = saver if path == "mapped" else Checkpointer(cfg)
         spans: list[tuple[int, int]] = []
-        real = LocalFileReader.read_into
 
-        def spy(self: LocalFileReader, offset: int, buf: memoryview, hasher: Any = None) -> None:
-            spans.append((offset, len(buf)))
-            real(self, offset, buf, hasher)
+        def spying(real: Any) -> Any:
+            def spy(self: Any, offset: int, buf: memoryview, hasher: Any = None) -> None:
+                spans.append((offset, len(buf)))
+                real(self, offset, buf, hasher)
+            return spy
 
-        monkeypatch.setattr(LocalFileReader, "read_into", spy)
+        for cls in READERS.values():
+            monkeypatch.setattr(cls, "read_into", spying(cls.read_into))
         out = {"n": torch.zeros(77, dtype=torch.int64)}
         with pytest.warns(LoadMismatchWarning, match=r"5 checkpoint key\(s\) the state dict does not load: b, extra.epoch, extra.lr, extra.rng, w \("):
-            assert ck.load(out) == 1
+            assert loader.load(out) == 1
+        if loader is not saver:
+            loader.close()
         assert torch.equal(out["n"], state(1)["n"])
     manifest = json.loads((Path(cfg.memory_dir) / "load" / "step_1" / "manifest.json").read_text())
     size = manifest["files"]["__0_0.distcp"]

@@ -34,7 +34,7 @@ from tierckpt import layout
 from tierckpt.dcp.safeload import check_object
 from tierckpt.dcp.sources import TIER_ERRORS, StepSources
 from tierckpt.errors import IntegrityError, StateDictMismatchError
-from tierckpt.integrity import open_reader, read_record
+from tierckpt.integrity import MappedReader, open_reader, read_record
 from tierckpt.observability import StepLogger
 from tierckpt.tiers import Tier
 from tierckpt.tiers.base import RangeReader
@@ -123,8 +123,8 @@ class ItemReader:
 
     def _run(self, tier: Tier, name: str, jobs: list[_Job], planner: LoadPlanner) -> None:
         """Read ``jobs`` from one tier in parallel; finish each on this thread, in order."""
-        reader = open_reader(tier, self.step, name)
         where = f"{tier.location(self.step)}/{name}"
+        reader = self._mapped(tier, name, where) or open_reader(tier, self.step, name)
         own_pool = None
         try:
             pool = self.executor
@@ -143,6 +143,19 @@ class ItemReader:
             if own_pool is not None:
                 own_pool.shutdown(wait=True)
             reader.close()
+
+    def _mapped(self, tier: Tier, name: str, where: str) -> RangeReader | None:
+        """A reader over this process's own mapping of the file's slot (a load after a save)."""
+        rt = self.sources.rt
+        if tier is not rt.memory:
+            return None
+        slot = rt.pool.mapped(rt.memory.step_dir(self.step) / name)
+        if slot is None:
+            return None
+        try:
+            return MappedReader(slot.numpy(), where)
+        except (RuntimeError, TypeError, ImportError):  # no numpy: read the file instead
+            return None
 
     def _work(self, reader: RangeReader, job: _Job, where: str) -> list[bytes]:
         """Read and check one record; copy its tensors; return the bytes of its byte items."""
