@@ -176,13 +176,20 @@ class Checkpointer:
         self._save.wait(timeout)
 
     # -- load -------------------------------------------------------------------------
-    def load(self, state_dict: dict[str, Any], step: int | None = None) -> int | None:
-        """Load the newest loadable step (or ``step``) in place; None when nothing exists."""
+    def load(
+        self, state_dict: dict[str, Any], step: int | None = None, *, strict: bool = False, trusted: bool | None = None
+    ) -> int | None:
+        """Load the newest loadable step (or ``step``) in place; None when nothing exists.
+
+        ``strict=True`` refuses dtype casts and checkpoint keys the state dict does not load
+        (StateDictMismatchError; by default each is a warning). ``trusted`` overrides the
+        config's: True unpickles the checkpoint's objects without the allow-list.
+        """
         self._check_open()
         if step is not None:
             layout.validate_step(step)
         self._save.settle()  # a load after a save sees that save and its durable copy
-        return self._loader.load(state_dict, step)
+        return self._loader.load(state_dict, step, strict=strict, trusted=trusted)
 
     def steps(self) -> list[StepInfo]:
         """Committed steps this rank can see, oldest first, with the tiers that hold them."""

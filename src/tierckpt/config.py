@@ -140,6 +140,9 @@ class CheckpointConfig:
                            (namespace ``<namespace>--rank<r>``), same sharding on load
     s3                     explicit S3 overrides (endpoint, credentials, part size)
     logger                 a logger that receives tierckpt's records too
+    trusted                load non-tensor objects without the allow-list (only for checkpoints
+                           whose writers you trust: unpickling can run code)
+    allowed_classes        classes/functions a load may unpickle beyond the allow-list
     """
 
     namespace: str
@@ -153,6 +156,8 @@ class CheckpointConfig:
     local_mode: bool = False
     s3: S3Settings = field(default_factory=S3Settings)
     logger: logging.Logger | None = None
+    trusted: bool = False
+    allowed_classes: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         validate_namespace(self.namespace)
@@ -173,6 +178,10 @@ class CheckpointConfig:
             raise ConfigError("s3 must be a tierckpt.config.S3Settings")
         if self.logger is not None and not isinstance(self.logger, logging.Logger):
             raise ConfigError("logger must be a logging.Logger or None")
+        if not isinstance(self.trusted, bool):
+            raise ConfigError(f"trusted must be True or False, got {self.trusted!r}")
+        if not isinstance(self.allowed_classes, tuple) or not all(callable(c) for c in self.allowed_classes):
+            raise ConfigError("allowed_classes must be a tuple of classes or functions, e.g. (MyState,)")
 
     @property
     def durable(self) -> DurableLocation | None:

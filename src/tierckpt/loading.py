@@ -42,16 +42,18 @@ class Loader:
         self.agree_group = agree_group  # local mode: the side group of the agreement
         self.last_load: dict[str, Any] = {}
 
-    def load(self, state_dict: dict[str, Any], step: int | None) -> int | None:
+    def load(self, state_dict: dict[str, Any], step: int | None, *, strict: bool = False,
+             trusted: bool | None = None) -> int | None:
         """Load the newest loadable step (or ``step``) in place; None when nothing exists."""
+        checks: dict[str, Any] = {"strict": strict, "trusted": trusted, "verify_ahead": False}  # checked while read
         if self.config.local_mode:
-            return self._load_local(state_dict, step)
+            return self._load_local(state_dict, step, checks)
         excluded: list[int] = []
         failures: list[tuple[int, str]] = []
         while True:
             reader = TieredStorageReader(
                 self.config, step, process_group=self.group, exclude_steps=excluded,
-                expect=state_dict, _runtime=self.runtime,
+                expect=state_dict, _runtime=self.runtime, **checks,
             )
             t0 = time.perf_counter()
             try:
@@ -63,6 +65,8 @@ class Loader:
                 if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
                     self.log.info(None, "no checkpoint found; starting fresh")
                     return None
+                if isinstance(err, CheckpointNotFoundError) and excluded:  # every step there was failed
+                    raise IntegrityError("no step loads: " + "; ".join(f"step {s}: {r}" for s, r in failures)) from err
                 if isinstance(err, IntegrityError) and step is None and reader.step is not None:
                     self.log.warning(reader.step, "failed to load (%s); trying an older step", err)
                     excluded.append(reader.step)
@@ -78,7 +82,7 @@ class Loader:
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
 
-    def _load_local(self, state_dict: dict[str, Any], step: int | None) -> int | None:
+    def _load_local(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any]) -> int | None:
         """Local mode: agree on a step every rank holds, then each rank reads only its own shards."""
         local_sd = localmode.localize(state_dict)
         excluded: set[int] = set()
@@ -90,7 +94,7 @@ class Loader:
                 self.log.info(None, "no checkpoint found; starting fresh")
                 return None
             reader = TieredStorageReader(self.runtime.config, chosen, expect=local_sd, single_process=True,
-                                         _runtime=self.runtime)
+                                         _runtime=self.runtime, **checks)
             t0, error = time.perf_counter(), None
             try:
                 with warnings.catch_warnings(), quiet_dcp_fallback():

@@ -294,6 +294,27 @@ class SlotPool:
         """Bytes of this rank's slots, counting those being reserved now."""
         return sum(s.size for s in self._scan().values()) + self._pending
 
+    def mapped(self, path: Path) -> torch.Tensor | None:
+        """This process's mapping of the slot ``path`` links to (same inode), else None.
+
+        A load in the process that saved the step reads the slot through the mapping the save
+        already faulted in, instead of mapping (or reading) the file again.
+        """
+        try:
+            want = os.stat(path)
+        except OSError:
+            return None
+        for slot in list(self._slots.values()):
+            if slot.buffer is None or slot._mm is None:
+                continue
+            try:
+                st = os.stat(slot.path)
+            except OSError:
+                continue
+            if (st.st_ino, st.st_dev) == (want.st_ino, want.st_dev) and st.st_size == slot.size:
+                return slot.buffer
+        return None
+
     # -- internals ----------------------------------------------------------------
     def _scan(self) -> dict[str, Slot]:
         found = {}

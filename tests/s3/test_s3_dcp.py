@@ -163,3 +163,84 @@ def test_cli_lists_and_verifies_s3_steps_and_catches_a_flipped_byte(
     capsys.readouterr()
     assert cli.main([*argv, "verify", "4"]) == 4
     assert "BAD" in capsys.readouterr().out
+
+
+# -- loads: bounded memory, byte ranges, safe objects (issue 9, issue 10) ------------------------
+def _gets(client: Any) -> list[tuple[str, int]]:
+    """Every GET the client sends from now on, as (key, bytes asked for), recorded as it is sent."""
+    seen: list[tuple[str, int]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        if request.method == "GET" and "Range" in request.headers:
+            value = request.headers["Range"]
+            lo, hi = (value.decode() if isinstance(value, bytes) else value).removeprefix("bytes=").split("-")
+            seen.append((request.url.rsplit("/", 1)[-1].split("?")[0], int(hi) - int(lo) + 1))
+
+    client.meta.events.register("before-send.s3", record)
+    return seen
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def test_an_s3_load_holds_only_a_window_of_its_files(config: CheckpointConfig, fresh_memory: Any) -> None:
+    """Peak resident memory (anonymous and shared, the kernel's high-water mark) during the load."""
+    state = {f"t{i}": torch.randn(4 * MIB, generator=torch.Generator().manual_seed(i)) for i in range(4)}  # 4 x 16 MiB
+    with Checkpointer(config) as ck:
+        ck.save(1, state, durable=True).result(120)
+    with Checkpointer(config.replace(memory_dir=fresh_memory())) as ck:
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        with pytest.warns(UserWarning, match="does not load: t1, t2, t3"):
+            ck.load({"t0": torch.zeros(4 * MIB)}, step=1)  # warm: the S3 client and the threads exist
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        before = _status_bytes("VmRSS")
+        assert ck.load(target) == 1
+        extra = _status_bytes("VmHWM") - before
+        assert ck.last_load["tiers"] == ["durable"]
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    # the old reader downloaded the whole 64 MiB file before copying it (extra = 64 MiB);
+    # now each record goes straight into its tensor
+    assert extra < 16 * MIB, f"{extra / MIB:.1f} MiB extra for a 64 MiB load"
+
+
+def test_an_s3_partial_load_gets_only_the_ranges_it_needs(config: CheckpointConfig, fresh_memory: Any) -> None:
+    state = make_state(7)
+    with Checkpointer(config) as ck:
+        ck.save(7, state, durable=True).result(120)
+    with Checkpointer(config.replace(memory_dir=fresh_memory())) as ck:
+        durable = ck.runtime.durable
+        assert durable is not None
+        gets = _gets(durable.client)  # type: ignore[attr-defined]
+        target = {"ids": torch.zeros(1000, dtype=torch.int64)}
+        with pytest.warns(UserWarning, match="does not load"):
+            assert ck.load(target) == 7
+        assert torch.equal(target["ids"], state["ids"])
+        manifest = layout.Manifest.from_bytes(durable.read_file(7, layout.MANIFEST))
+    ids = [r for r in manifest.items if r.file == "__0_0.distcp" and 8000 <= r.length < 12000]
+    assert len(ids) == 1  # the record of "ids" (1000 int64 and its header)
+    assert [g for g in gets if g[0] == "__0_0.distcp"] == [("__0_0.distcp", ids[0].length)]  # one GET of it, no more
+
+
+def test_a_malicious_object_on_s3_is_refused(config: CheckpointConfig, fresh_memory: Any, tmp_path: Any) -> None:
+    import os
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __deepcopy__(self, memo: Any) -> Any:
+            return self
+
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    with Checkpointer(config) as ck:
+        ck.save(1, {"w": torch.ones(4), "obj": Evil()}, durable=True).result(60)
+    from tierckpt.dcp.safeload import UnsafeObjectError
+
+    with Checkpointer(config.replace(memory_dir=fresh_memory())) as ck:
+        with pytest.raises(UnsafeObjectError, match="'obj' references posix.system"):
+            ck.load({"w": torch.zeros(4), "obj": None})
+    assert not marker.exists()

@@ -5,7 +5,6 @@ attempts or the deadline run out the caller gets a typed error and no step looks
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +78,7 @@ def test_reply_slower_than_the_read_timeout_is_retried(s3_env: Any, bucket: str,
     commit(tier, 2, b"abc" * 1000)
     proxy.clear()
     proxy.add(Fault("delay", method="GET", path="manifest.json", seconds=1.5))
-    t0 = time.monotonic()
     assert layout.Manifest.from_bytes(tier.read_file(2, layout.MANIFEST)).step == 2
-    assert time.monotonic() - t0 >= 0.5
     assert outcomes(proxy, "manifest.json") == ["delay", "200"]  # the slow one, then the retry
     tier.close()
 
@@ -92,10 +89,8 @@ def test_exhausted_upload_retries_give_a_typed_error_and_leave_nothing_behind(
     src, _ = payload
     tier = s3_tier(proxy, bucket, max_attempts=3)
     proxy.add(Fault("slowdown", method="PUT", path="partNumber=2", times=None))
-    t0 = time.monotonic()
     with pytest.raises(DurableWriteError, match=r"part 2 .*failed after 3 attempt\(s\).*SlowDown") as info:
         tier.put_file(1, "s1", "__0_0.distcp", src)
-    assert time.monotonic() - t0 < 15
     assert info.value.tier == "durable"
     assert outcomes(proxy, "partNumber=2") == ["503"] * 3  # exactly max_attempts: botocore adds none
     assert any(method == "DELETE" and "uploadId=" in path for method, path, _ in proxy.log)  # aborted
@@ -107,10 +102,12 @@ def test_exhausted_upload_retries_give_a_typed_error_and_leave_nothing_behind(
 def test_retry_deadline_bounds_the_total_time(s3_env: Any, bucket: str, proxy: Any) -> None:
     tier = s3_tier(proxy, bucket, max_attempts=1000, retry_deadline_s=1.0)
     proxy.add(Fault("slowdown", method="GET", times=None))
-    t0 = time.monotonic()
-    with pytest.raises(StorageError, match="failed after .* attempt"):
+    with pytest.raises(StorageError, match=r"failed after (\d+) attempt.*retry_deadline_s") as info:
         tier.list_steps()
-    assert time.monotonic() - t0 < 3
+    tries = outcomes(proxy)
+    # the deadline, not the 1000 attempts, ended it: several retries, every one of them counted
+    assert 2 <= len(tries) < 20 and set(tries) == {"503"}, tries
+    assert f"failed after {len(tries)} attempt(s)" in str(info.value)
     tier.close()
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -176,12 +175,24 @@ def test_server_without_conditional_put_falls_back(s3_env: dict[str, str], bucke
 
 
 # -- errors --------------------------------------------------------------------------------
+def requests_sent(client: Any) -> list[tuple[str, str]]:
+    """Every HTTP request ``client`` sends from now on, as (method, object key or "list")."""
+    sent: list[tuple[str, str]] = []
+
+    def record(request: Any, **_: Any) -> None:
+        path = request.url.split("?")[0].split("/", 4)
+        sent.append((request.method, path[4] if len(path) > 4 and path[4] else "list"))
+
+    client.meta.events.register("before-send.s3", record)
+    return sent
+
+
 def test_wrong_access_key_fails_fast_and_names_the_credentials(s3_env: dict[str, str], bucket: str) -> None:
     tier = S3Tier(make_client(S3Settings(access_key_id="nobody", secret_access_key="x")), bucket, "", "ns", SETTINGS)
-    t0 = time.monotonic()
+    sent = requests_sent(tier.client)
     with pytest.raises(StorageError, match="check the credentials") as info:
         tier.list_steps()
-    assert time.monotonic() - t0 < 3  # no retries
+    assert sent == [("GET", "list")]  # one request: a refusal is not retried
     assert "InvalidAccessKeyId" in str(info.value)
 
 
@@ -202,12 +213,13 @@ def test_missing_credentials_say_how_to_set_them(s3_env: dict[str, str], bucket:
 
 def test_missing_bucket_says_create_it(s3_client: Any) -> None:
     tier = S3Tier(s3_client, "no-such-bucket-here", "p", "ns", SETTINGS)
-    t0 = time.monotonic()
+    sent = requests_sent(s3_client)
     with pytest.raises(StorageError, match="'no-such-bucket-here' does not exist.*create the bucket"):
         tier.list_steps()
+    assert sent == [("GET", "list")]
     with pytest.raises(DurableWriteError, match="does not exist"):
         tier.put_file(1, "s", "__0_0.distcp", b"abc")
-    assert time.monotonic() - t0 < 3
+    assert len(sent) == len(set(sent)), sent  # no request was sent twice: nothing retried
 
 
 def test_missing_object_is_not_found(tier: S3Tier) -> None:

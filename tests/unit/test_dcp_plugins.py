@@ -22,7 +22,7 @@ def cfg(shm_root: Path, durable_dir: Path) -> CheckpointConfig:
 
 
 def sd(v: float) -> dict:
-    return {"w": torch.full((128, 16), v), "i": torch.arange(10) * int(v), "meta": {"note": f"v={v}"}}
+    return {"w": torch.full((128, 16), float(v)), "i": torch.arange(10) * int(v), "meta": {"note": f"v={v}"}}
 
 
 def empty() -> dict:

@@ -159,6 +159,8 @@ def _paired_goals(figs: dict[str, Any], checks: dict[str, bool], leak: dict[str,
               _round_ratio(figs, "paired.dcp_load", "paired.load"), 3.0, at_least=True,
               detail=f"median of {n} rounds of DCP load / Checkpointer.load; separate runs: "
               + _fmt_x(div(t("dcp_fs.load"), t("tierckpt.load")))),
+        _goal("load from memory, verified <= 1.5 x memcpy", _round_ratio(figs, "paired.load", "paired.copy"), 1.5,
+              at_least=False, detail=f"median of {n} rounds of Checkpointer.load / torch copy_ of the same bytes"),
     ]
     return goals + _common_goals(figs, checks, leak, state_bytes)
 

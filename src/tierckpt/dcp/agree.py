@@ -69,65 +69,19 @@ def choose_step(
     its peers (other nodes' memory and replicas, through the node agent) together hold every
     file S's manifest lists. An explicit step that exists nowhere →
     CheckpointNotFoundError; one that exists but is not loadable by every rank → IntegrityError.
+    Nothing loadable while rank 0 could not list the durable tier → StorageError (never "no
+    checkpoint" while a tier that may hold one is unreachable).
     """
-    durable: frozenset[int] = frozenset()
-    durable_error = None
-    for a in avail:
-        if a.durable is not None:
-            durable = a.durable
-        durable_error = durable_error or a.durable_error
-
-    def unreachable() -> None:
-        # never report "nothing to load" while a tier that may hold it cannot be read
-        if durable_error is not None:
-            raise StorageError(f"no step can be loaded from memory and the durable tier is unavailable: {durable_error}")
-    files: dict[int, frozenset[str]] = {}
-    for a in avail:
-        files.update(a.files)
-    seen = (set(durable) | {s for a in avail for s in a.memory} | {s for a in avail for s in a.bad}
-            | {s for a in avail for s in a.peer})
-
-    def why_not(step: int) -> str | None:
-        if step in durable:
-            return None
-        for a in avail:
-            if step in a.bad:
-                return f"rank {a.rank}: {a.bad[step]}"
-            own, peers = a.memory.get(step), a.peer.get(step)
-            if own is None and peers is None:
-                return f"rank {a.rank} has no copy (not in its memory tier, not at peers, not durable)"
-            if own is None and step not in files:
-                return f"rank {a.rank}: no manifest of the step is reachable"
-            missing = files.get(step, frozenset()) - (own or frozenset()) - (peers or frozenset())
-            if missing:
-                return (
-                    f"rank {a.rank} cannot reach {', '.join(sorted(missing))}: it is only in another "
-                    "node's memory tier and the step has no durable copy (run `tierckpt agent` on every "
-                    "node with --replicas >= 1, or give the job a durable tier)"
-                )
-        return None
-
+    view = _View.of(avail)
     if requested is not None:
-        if requested not in seen:
-            unreachable()
-            raise CheckpointNotFoundError(
-                f"step {requested} of namespace {namespace!r} does not exist in any tier",
-                step=requested,
-            )
-        reason = why_not(requested)
-        if reason is not None:
-            raise IntegrityError(
-                f"step {requested} of namespace {namespace!r} cannot be loaded completely: {reason}",
-                step=requested,
-            )
-        return Choice(requested, ())
+        return _choose_requested(view, requested, namespace)
     skipped: list[tuple[int, str]] = []
-    for step in sorted(seen, reverse=True):
-        reason = why_not(step)
+    for step in sorted(view.seen, reverse=True):
+        reason = view.why_not(step)
         if reason is None:
             return Choice(step, tuple(skipped))
         skipped.append((step, reason))
-    unreachable()
+    view.raise_if_unreachable()
     if skipped:
         raise IntegrityError(
             f"no step of namespace {namespace!r} can be loaded completely: "
@@ -135,3 +89,69 @@ def choose_step(
         )
     return None
 
+
+def _choose_requested(view: _View, requested: int, namespace: str) -> Choice:
+    if requested not in view.seen:
+        view.raise_if_unreachable()
+        raise CheckpointNotFoundError(
+            f"step {requested} of namespace {namespace!r} does not exist in any tier", step=requested
+        )
+    reason = view.why_not(requested)
+    if reason is not None:
+        raise IntegrityError(
+            f"step {requested} of namespace {namespace!r} cannot be loaded completely: {reason}", step=requested
+        )
+    return Choice(requested, ())
+
+
+@dataclass(frozen=True)
+class _View:
+    """Every rank's availability merged: what exists anywhere and what each rank lacks."""
+
+    avail: Sequence[Availability]
+    durable: frozenset[int]
+    durable_error: str | None
+    files: Mapping[int, frozenset[str]]
+    seen: frozenset[int]
+
+    @classmethod
+    def of(cls, avail: Sequence[Availability]) -> _View:
+        durable: frozenset[int] = frozenset()
+        durable_error = None
+        files: dict[int, frozenset[str]] = {}
+        for a in avail:
+            if a.durable is not None:
+                durable = a.durable
+            durable_error = durable_error or a.durable_error
+            files.update(a.files)
+        seen = set(durable)
+        for a in avail:
+            seen |= set(a.memory) | set(a.bad) | set(a.peer)
+        return cls(avail, durable, durable_error, files, frozenset(seen))
+
+    def raise_if_unreachable(self) -> None:
+        if self.durable_error is not None:
+            raise StorageError(
+                f"no step can be loaded from memory and the durable tier is unavailable: {self.durable_error}"
+            )
+
+    def why_not(self, step: int) -> str | None:
+        """None when every rank can load ``step`` completely, else the first rank's reason."""
+        if step in self.durable:
+            return None
+        for a in self.avail:
+            if step in a.bad:
+                return f"rank {a.rank}: {a.bad[step]}"
+            own, peers = a.memory.get(step), a.peer.get(step)
+            if own is None and peers is None:
+                return f"rank {a.rank} has no copy (not in its memory tier, not at peers, not durable)"
+            if own is None and step not in self.files:
+                return f"rank {a.rank}: no manifest of the step is reachable"
+            missing = self.files.get(step, frozenset()) - (own or frozenset()) - (peers or frozenset())
+            if missing:
+                return (
+                    f"rank {a.rank} cannot reach {', '.join(sorted(missing))}: it is only in another "
+                    "node's memory tier and the step has no durable copy (run `tierckpt agent` on every "
+                    "node with --replicas >= 1, or give the job a durable tier)"
+                )
+        return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tierckpt.config import CheckpointConfig
+from tierckpt.errors import ConfigError
 from tierckpt.tiers.base import Source, StepListing, Tier
 from tierckpt.tiers.local import LocalTier
 
@@ -22,7 +23,8 @@ def open_durable(config: CheckpointConfig) -> Tier | None:
     if loc is None:
         return None
     if loc.scheme == "file":
-        assert loc.path is not None
+        if loc.path is None:  # parse() gives every file:// URL a path; keep the type narrow without assert
+            raise ConfigError(f"durable_url {config.durable_url!r} names no directory")
         return LocalTier(loc.path, config.namespace, name="durable", durable=True)
     from tierckpt.tiers.s3 import S3Tier  # lazy: boto3 is an optional dependency
 

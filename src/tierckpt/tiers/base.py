@@ -7,7 +7,8 @@ Call order for one save of step N with save id S (every backend):
                        list_steps() shows N as committed and readers may use it
   3. anyone, later:    delete(N) removes the marker first, then the data
 Readers call list_steps() once, then read_file() for the small files and read_range() for
-data. A step is visible to readers only while its marker exists.
+data (or, where a tier has it, ``open_reader(step, name)`` → ``RangeReader.read_into`` to read
+straight into the caller's memory). A step is visible to readers only while its marker exists.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, Union, runtime_checkable
 
-__all__ = ["Source", "StepListing", "Tier"]
+__all__ = ["Hasher", "RangeReader", "Source", "StepListing", "Tier"]
 
 #: bytes to store: a file to copy (or link) from, or an in-memory buffer
 Source = Union[Path, bytes, bytearray, memoryview]
@@ -30,6 +31,33 @@ class StepListing:
     step: int
     committed: bool
     files: Mapping[str, int] = field(default_factory=dict)  # name → size in bytes
+
+
+class Hasher(Protocol):
+    """A running checksum (``xxhash.xxh3_128()``): fed the bytes in file order as they land."""
+
+    def update(self, data: memoryview) -> object: ...
+
+
+class RangeReader(Protocol):
+    """One data file of a step, open for reading into the caller's buffers.
+
+    ``read_into(offset, out, hasher)`` fills ``out`` with the file's bytes from ``offset``
+    (StorageError when the file is shorter) and feeds them to ``hasher`` in order, each piece
+    while it is still in the CPU cache where the tier can (local files); ``concurrency`` is how
+    many reads the tier serves well at once. ``read_scattered(offset, outs, hasher)`` is
+    ``read_into`` of consecutive bytes into several buffers in turn (a record's header, its
+    tensor's memory, its trailer), in one request where the tier has requests.
+    ``close()`` when done.
+    """
+
+    concurrency: int
+
+    def read_into(self, offset: int, out: memoryview, hasher: Hasher | None = None) -> None: ...
+
+    def read_scattered(self, offset: int, outs: list[memoryview], hasher: Hasher | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @runtime_checkable

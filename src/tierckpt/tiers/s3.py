@@ -31,11 +31,11 @@ from tierckpt import layout
 from tierckpt.config import CheckpointConfig, S3Settings
 from tierckpt.errors import CheckpointNotFoundError, ConfigError, DurableWriteError, StorageError
 from tierckpt.observability import get_logger
-from tierckpt.tiers.base import Source, StepListing
+from tierckpt.tiers.base import Hasher, Source, StepListing
 from tierckpt.tiers.s3_retry import Retrier, error_code
-from tierckpt.tiers.s3_transfer import download_into, send_views_whole, upload
+from tierckpt.tiers.s3_transfer import download_into, get_scattered, send_views_whole, upload
 
-__all__ = ["S3Tier", "make_client"]
+__all__ = ["S3Reader", "S3Tier", "make_client"]
 
 _log = get_logger("s3")
 _AWS_SUFFIXES = (".amazonaws.com", ".amazonaws.com.cn")
@@ -133,6 +133,10 @@ class S3Tier:
             part_size=self.settings.part_size,
         )
         return memoryview(buf)
+
+    def open_reader(self, step: int, name: str) -> S3Reader:
+        """Ranged GETs of one object straight into the caller's memory (see S3Reader)."""
+        return S3Reader(self, self.key(step, name))
 
     # -- writes -----------------------------------------------------------------------
     def put_file(self, step: int, save_id: str, name: str, source: Source) -> None:
@@ -243,6 +247,40 @@ class S3Tier:
                     f"{first.get('Code')} {first.get('Message', '')}; check the credentials may delete",
                     tier=self.name, path=f"s3://{self.bucket}/{first.get('Key')}",
                 )
+
+
+class S3Reader:
+    """``read_into``: parallel ranged GETs (``part_size`` each) into the caller's buffer, then hashed.
+
+    The hash runs once the range has arrived (parts land out of order); the network, not that
+    pass, bounds the time. Nothing is buffered beyond ``out`` itself.
+    """
+
+    def __init__(self, tier: S3Tier, key: str) -> None:
+        self.tier, self.key = tier, key
+        self.concurrency = tier.settings.max_concurrency
+
+    def read_into(self, offset: int, out: memoryview, hasher: Hasher | None = None) -> None:
+        t = self.tier
+        download_into(t.client, t.retrier, t.pool, self.key, offset, out, part_size=t.settings.part_size)
+        if hasher is not None:
+            hasher.update(out)
+
+    def read_scattered(self, offset: int, outs: list[memoryview], hasher: Hasher | None = None) -> None:
+        """Consecutive bytes into several buffers: one GET up to a part's size, else one read each."""
+        t = self.tier
+        if sum(len(o) for o in outs) <= t.settings.part_size:
+            get_scattered(t.client, t.retrier, self.key, offset, outs)
+            if hasher is not None:
+                for o in outs:
+                    hasher.update(o)
+            return
+        for o in outs:
+            self.read_into(offset, o, hasher)
+            offset += len(o)
+
+    def close(self) -> None:
+        """Nothing to release: the tier's client and pool outlive one file."""
 
 
 @contextmanager

@@ -19,7 +19,7 @@ from tierckpt.errors import StorageError
 from tierckpt.observability import get_logger
 from tierckpt.tiers.s3_retry import Retrier, ShortReadError, error_code
 
-__all__ = ["download_into", "send_views_whole", "upload"]
+__all__ = ["download_into", "get_scattered", "send_views_whole", "upload"]
 
 _READ_CHUNK = 1 << 20  # bytes per readinto(): big enough to amortise, small enough to stay in cache
 _log = get_logger("s3")
@@ -195,20 +195,32 @@ def download_into(
     _gather([pool.submit(fetch, lo, hi) for lo, hi in bounds], stop)
 
 
+def get_scattered(client: Any, retrier: Retrier, key: str, start: int, outs: list[memoryview]) -> None:
+    """One ranged GET of ``sum(len(o) for o in outs)`` bytes from ``start``, filling ``outs`` in turn."""
+    _get_range(client, retrier, key, start, outs)
+
+
 def _get_range(
-    client: Any, retrier: Retrier, key: str, start: int, out: memoryview, stop: threading.Event | None = None
+    client: Any, retrier: Retrier, key: str, start: int, out: memoryview | list[memoryview],
+    stop: threading.Event | None = None,
 ) -> None:
+    outs = out if isinstance(out, list) else [out]
+    total = sum(len(o) for o in outs)
+    if total == 0:
+        return
+
     def attempt() -> None:
-        resp = client.get_object(Bucket=retrier.bucket, Key=key, Range=f"bytes={start}-{start + len(out) - 1}")
+        resp = client.get_object(Bucket=retrier.bucket, Key=key, Range=f"bytes={start}-{start + total - 1}")
         body = resp["Body"]
         try:
-            if resp.get("ContentLength") != len(out):
+            if resp.get("ContentLength") != total:
                 raise StorageError(
                     f"{retrier.url(key)} holds fewer bytes than asked for "
-                    f"({start}..{start + len(out)}); the object is shorter than its manifest says",
+                    f"({start}..{start + total}); the object is shorter than its manifest says",
                     tier="durable", path=retrier.url(key),
                 )
-            _read_exactly(body.readinto, out)
+            for o in outs:
+                _read_exactly(body.readinto, o)
         finally:
             body.close()
 
