@@ -20,13 +20,15 @@ from tierckpt.errors import (
     DurableWriteError,
     IntegrityError,
     MemoryBudgetError,
+    SnapshotChangedError,
     StateDictMismatchError,
     StorageError,
     TierckptError,
+    UnsafeObjectError,
     UnsaveableObjectError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "CheckpointConfig",
@@ -39,11 +41,13 @@ __all__ = [
     "MemoryBudgetError",
     "S3Settings",
     "SaveHandle",
+    "SnapshotChangedError",
     "StateDictMismatchError",
     "StepInfo",
     "StorageError",
     "TierckptError",
     "TieredStorageReader",
     "TieredStorageWriter",
+    "UnsafeObjectError",
     "UnsaveableObjectError",
 ]

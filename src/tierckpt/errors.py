@@ -10,6 +10,7 @@
     │                                  the state dict does not match the checkpoint
     ├── UnsaveableObjectError (TypeError)
     │                                  a state dict value cannot be serialized (a lock, a lambda)
+    ├── UnsafeObjectError              a checkpoint object is outside the load allow-list (trusted=True opts in)
     ├── MemoryBudgetError (MemoryError)
     │                                  the memory tier cannot hold one step
     ├── StorageError (OSError)         a tier's I/O failed (disk full, permission, network)
@@ -28,12 +29,14 @@ __all__ = [
     "ConfigError",
     "DurableWriteError",
     "IntegrityError",
+    "LoadMismatchWarning",
     "MemoryBudgetError",
     "ProtocolError",
     "SnapshotChangedError",
     "StateDictMismatchError",
     "StorageError",
     "TierckptError",
+    "UnsafeObjectError",
     "UnsaveableObjectError",
 ]
 
@@ -164,3 +167,25 @@ class SnapshotChangedError(IntegrityError):
 
 def _rebuild_changed(message: str, key: str, step: int | None) -> SnapshotChangedError:
     return SnapshotChangedError(message, key=key, step=step)
+
+
+class UnsafeObjectError(TierckptError):
+    """A checkpoint object references a class or function outside the load allow-list.
+
+    ``names`` lists the refused globals as ``module.name``. Not an integrity problem: every copy
+    of the step holds the same object, so no fallback to another tier or an older step happens.
+    """
+
+    exit_code = 4
+
+    def __init__(self, message: str, *, names: tuple[str, ...] = (), **context: Any) -> None:
+        super().__init__(message, **context)
+        self.names = names
+
+
+class LoadMismatchWarning(UserWarning):
+    """A load cast tensors to the state dict's dtypes or left checkpoint keys unloaded.
+
+    Not an error: DCP's behaviour, kept; ``load(..., strict=True)`` makes both a
+    ``StateDictMismatchError`` instead.
+    """

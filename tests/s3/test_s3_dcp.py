@@ -238,7 +238,7 @@ def test_a_malicious_object_on_s3_is_refused(config: CheckpointConfig, fresh_mem
 
     with Checkpointer(config) as ck:
         ck.save(1, {"w": torch.ones(4), "obj": Evil()}, durable=True).result(60)
-    from tierckpt.dcp.safeload import UnsafeObjectError
+    from tierckpt import UnsafeObjectError
 
     with Checkpointer(config.replace(memory_dir=fresh_memory())) as ck:
         with pytest.raises(UnsafeObjectError, match="'obj' references posix.system"):

@@ -13,10 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from tierckpt import CheckpointConfig, Checkpointer, TieredStorageReader
-from tierckpt.dcp.matching import LoadMismatchWarning
-from tierckpt.dcp.safeload import UnsafeObjectError
-from tierckpt.errors import IntegrityError, StateDictMismatchError
+from tierckpt import CheckpointConfig, Checkpointer, TieredStorageReader, UnsafeObjectError
+from tierckpt.errors import IntegrityError, LoadMismatchWarning, StateDictMismatchError
 from tierckpt.integrity import MappedReader
 from tierckpt.tiers.local import LocalFileReader
 

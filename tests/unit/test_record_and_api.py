@@ -54,7 +54,7 @@ def test_public_surface_is_frozen() -> None:
     assert tierckpt.__all__ == sorted(tierckpt.__all__)
     assert set(tierckpt.__all__) == {
         "CheckpointConfig", "CheckpointFailedError", "CheckpointNotFoundError", "Checkpointer", "ConfigError",
-        "DurableWriteError", "UnsaveableObjectError",
+        "DurableWriteError", "UnsaveableObjectError", "UnsafeObjectError", "SnapshotChangedError",
         "IntegrityError", "MemoryBudgetError", "S3Settings", "SaveHandle", "StateDictMismatchError", "StepInfo",
         "StorageError", "TieredStorageReader", "TieredStorageWriter", "TierckptError",
     }

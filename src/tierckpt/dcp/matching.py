@@ -18,15 +18,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.tensor import DTensor
 
 from tierckpt._torch_compat import flatten_state_dict
-from tierckpt.errors import StateDictMismatchError
+from tierckpt.errors import LoadMismatchWarning, StateDictMismatchError
 from tierckpt.observability import StepLogger
 from tierckpt.snapshot import resolve_stateful
 
 __all__ = ["LoadMismatchWarning", "check_expected", "check_plan"]
-
-
-class LoadMismatchWarning(UserWarning):
-    """A load cast tensors to the state dict's dtypes or left checkpoint keys unloaded."""
 
 
 def _some(keys: list[str], limit: int = 8) -> str:

@@ -25,23 +25,9 @@ from typing import Any
 
 import torch
 
-from tierckpt.errors import TierckptError
+from tierckpt.errors import UnsafeObjectError
 
 __all__ = ["UnsafeObjectError", "check_object", "class_name"]
-
-
-class UnsafeObjectError(TierckptError):
-    """A checkpoint object references a class or function outside the load allow-list.
-
-    ``names`` lists the refused globals as ``module.name``. Not an integrity problem: every copy
-    of the step holds the same object, so no fallback to another tier or an older step happens.
-    """
-
-    exit_code = 4
-
-    def __init__(self, message: str, *, names: tuple[str, ...] = (), **context: Any) -> None:
-        super().__init__(message, **context)
-        self.names = names
 
 
 def class_name(obj: Any) -> str:
