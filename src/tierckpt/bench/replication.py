@@ -278,7 +278,10 @@ def blocking(size_mib: int, saves: int, gap: float, workdir: Path) -> dict[str, 
     fig: dict[str, list[float]] = {"blocking_no_agent_s": [], "blocking_agent_s": []}
     try:
         _paired_saves({"blocking_no_agent_s": plain, "blocking_agent_s": with_agent}, sd, saves, gap, fig)
-        replicas = list((peer / ".replicas" / "bench-trainer" / NS).glob("step_*/COMMITTED"))
+        deadline = time.monotonic() + 60.0  # the agent replicates in the background: give it time to land
+        while not (replicas := list((peer / ".replicas" / "bench-trainer" / NS).glob("step_*/COMMITTED"))) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not replicas:
             raise BenchError("the agents replicated nothing while the trainer saved")
     finally:

@@ -29,7 +29,7 @@ def _some(keys: list[str], limit: int = 8) -> str:
     return ", ".join(keys[:limit]) + (f" and {len(keys) - limit} more" if len(keys) > limit else "")
 
 
-def check_plan(plan: LoadPlan, planner: LoadPlanner, metadata: Metadata, step: int, *, strict: bool, log: StepLogger) -> None:
+def check_plan(plan: LoadPlan, planner: LoadPlanner, metadata: Metadata, step: int, *, strict: bool, log: StepLogger, partial: bool = False) -> None:
     """Warn (or with ``strict`` raise) about dtype casts and checkpoint keys left unloaded."""
     saved = metadata.state_dict_metadata
     casts: dict[str, tuple[torch.dtype, torch.dtype]] = {}
@@ -42,7 +42,7 @@ def check_plan(plan: LoadPlan, planner: LoadPlanner, metadata: Metadata, step: i
             casts[req.dest_index.fqn] = (md.properties.dtype, target.dtype)
     asked = {req.dest_index.fqn for req in plan.items}
     asked |= set(getattr(planner, "state_dict", None) or {})  # keys whose shard on this rank is empty
-    unloaded = sorted(k for k in saved if k not in asked)
+    unloaded = [] if partial else sorted(k for k in saved if k not in asked)
     problems = []
     if casts:
         problems.append("tensors cast to the state dict's dtype: " + _some(

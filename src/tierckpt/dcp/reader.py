@@ -57,7 +57,8 @@ class TieredStorageReader(StorageReader):
     (one pass: the load runs at memory speed), and a step damaged beyond every copy is an
     IntegrityError that ``Checkpointer.load`` answers by loading an older step.
     ``strict=True`` refuses dtype casts and checkpoint keys the state dict does not load
-    (StateDictMismatchError); by default both are warnings. Non-tensor objects are loaded only
+    (StateDictMismatchError); by default both are warnings; ``partial=True`` says the caller
+    loads a subset of the keys on purpose (no warning for the rest). Non-tensor objects are loaded only
     from an allow-list unless ``trusted`` (default: the config's); ``allowed_classes`` adds to it.
     """
 
@@ -73,6 +74,7 @@ class TieredStorageReader(StorageReader):
         single_process: bool = False,
         verify_ahead: bool = True,
         strict: bool = False,
+        partial: bool = False,
         trusted: bool | None = None,
         allowed_classes: Iterable[Any] = (),
         _runtime: RankRuntime | None = None,
@@ -92,6 +94,7 @@ class TieredStorageReader(StorageReader):
         self.single_process = single_process
         self.verify_ahead = verify_ahead
         self.strict = strict
+        self.partial = partial  # the caller loads a subset of the keys on purpose: no unloaded-key warning
         self.trusted = config.trusted if trusted is None else trusted
         self.allowed_classes = (*config.allowed_classes, *allowed_classes)
         distributed = dist.is_available() and dist.is_initialized() and not single_process
@@ -192,7 +195,7 @@ class TieredStorageReader(StorageReader):
                 "read_data was called before read_metadata chose a step; call dcp.load (or "
                 "read_metadata, then set_up_storage_reader) first"
             )
-        check_plan(plan, planner, metadata, step, strict=self.strict, log=self._log)
+        check_plan(plan, planner, metadata, step, strict=self.strict, log=self._log, partial=self.partial)
         t0 = time.perf_counter()
         items = ItemReader(
             sources, step, manifest, metadata, executor=self.runtime.executor, threads=self.config.io_threads,

@@ -118,7 +118,7 @@ def load_tree(config: CheckpointConfig, step: int | None = None, *, collective: 
     """
     together = dist.is_available() and dist.is_initialized() if collective is None else collective
     head: dict[str, Any] = {TREE_KEY: None}
-    reader = TieredStorageReader(config, step, single_process=not together)
+    reader = TieredStorageReader(config, step, single_process=not together, partial=True)
     try:
         _load(head, reader, together)
     except CheckpointException as exc:  # no tierckpt error inside: DCP's planner found no (bytes) tree item
@@ -141,7 +141,7 @@ def load_tree(config: CheckpointConfig, step: int | None = None, *, collective: 
     tensors = {k: torch.empty(r.shape, dtype=r.dtype) for k, r in refs.items()}
     if tensors:
         try:
-            _load(tensors, TieredStorageReader(config, chosen, single_process=not together), together)
+            _load(tensors, TieredStorageReader(config, chosen, single_process=not together, partial=True), together)
         except CheckpointException as exc:
             raise StateDictMismatchError(
                 f"step {chosen} of namespace {config.namespace!r}: its tensors do not match its tree ({exc})"
