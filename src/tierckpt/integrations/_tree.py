@@ -118,7 +118,8 @@ def load_tree(config: CheckpointConfig, step: int | None = None, *, collective: 
     """
     together = dist.is_available() and dist.is_initialized() if collective is None else collective
     head: dict[str, Any] = {TREE_KEY: None}
-    reader = TieredStorageReader(config, step, single_process=not together, partial=True)
+    reader = TieredStorageReader(config, step, single_process=not together, partial=True,
+                                 allowed_classes=(TensorRef, _Skeleton))  # our own skeleton types
     try:
         _load(head, reader, together)
     except CheckpointException as exc:  # no tierckpt error inside: DCP's planner found no (bytes) tree item
