@@ -31,6 +31,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.utils.api import macros
 
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
@@ -39,6 +40,7 @@ from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, warmable
 from tierckpt.monitor import read_beat
 
 __all__ = ["TierckptAgent"]
@@ -69,6 +71,8 @@ class TierckptAgent(LocalElasticAgent):
         self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
         self._calibrated_reported = False
         self._node_agent: Any = None
+        self._pool: StandbyPool | None = None
+        self.warm_ranks: list[int] = []
 
     # ---- state kept beside the memory tier (survives a full job restart) ----
     def _state_path(self) -> Path | None:
@@ -145,6 +149,18 @@ class TierckptAgent(LocalElasticAgent):
         return self._ctl.master(generation, timeout=max(60.0, self.opts.node_timeout_s))
 
     # ---- workers ----
+    def _static_env(self) -> dict[str, str]:
+        """What every worker of every generation gets beside torch elastic's per-rank variables."""
+        env = {"TIERCKPT_MONITOR_DIR": self._beat_dir, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+               # a fresh store per generation (rank 0 hosts it on the published port)
+               "TORCHELASTIC_USE_AGENT_STORE": "False"}
+        for key, value in (("TIERCKPT_NAMESPACE", self.opts.namespace), ("TIERCKPT_MEMORY_DIR", self.opts.memory_dir),
+                           ("TIERCKPT_DURABLE_URL", self.opts.durable_url)):
+            if value:
+                env[key] = value
+        return env
+
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         spec = worker_group.spec
         g = self.generation
@@ -152,12 +168,6 @@ class TierckptAgent(LocalElasticAgent):
         worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]
         shutil.rmtree(self._beat_dir, ignore_errors=True)
         os.makedirs(self._beat_dir)
-        extra = {"TIERCKPT_GENERATION": str(g), "TIERCKPT_MONITOR_DIR": self._beat_dir,
-                 "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
-        for key, value in (("TIERCKPT_NAMESPACE", self.opts.namespace), ("TIERCKPT_MEMORY_DIR", self.opts.memory_dir),
-                           ("TIERCKPT_DURABLE_URL", self.opts.durable_url)):
-            if value:
-                extra[key] = value
         envs: dict[int, dict[str, str]] = {}
         args: dict[int, tuple[Any, ...]] = {}
         for w in worker_group.workers:
@@ -166,35 +176,78 @@ class TierckptAgent(LocalElasticAgent):
                 "ROLE_RANK": str(w.role_rank), "ROLE_NAME": spec.role,
                 "LOCAL_WORLD_SIZE": str(spec.local_world_size), "WORLD_SIZE": str(w.world_size),
                 "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "ROLE_WORLD_SIZE": str(w.role_world_size),
-                "MASTER_ADDR": addr, "MASTER_PORT": str(port),
+                "MASTER_ADDR": addr, "MASTER_PORT": str(port), "TIERCKPT_GENERATION": str(g),
                 # the generation is the restart count: job-wide, never per agent (pytorch#135712)
                 "TORCHELASTIC_RESTART_COUNT": str(g), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
                 "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
-                # a fresh store per generation (rank 0 hosts it on the published port)
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                **extra,
+                **self._static_env(),
             }
             self._set_local_rank_env(env, w.local_rank, spec)  # type: ignore[arg-type]
             if "OMP_NUM_THREADS" in os.environ:
                 env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
             envs[w.local_rank] = env
-            args[w.local_rank] = tuple(spec.args)
+            args[w.local_rank] = tuple(macros.substitute(list(spec.args), str(w.local_rank)))
         prefixes = None
         if self._log_line_prefix_template:
             from string import Template
 
             prefixes = {w.local_rank: Template(self._log_line_prefix_template).safe_substitute(
                 role_name=spec.role, rank=w.global_rank, local_rank=w.local_rank) for w in worker_group.workers}
-        assert spec.entrypoint is not None and self._logs_specs is not None
-        self._pcontext = start_processes(
-            name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs, logs_specs=self._logs_specs,
-            log_line_prefixes=prefixes, start_method=self._start_method,
-            duplicate_stdout_filters=spec.duplicate_stdout_filters,
-            duplicate_stderr_filters=spec.duplicate_stderr_filters,
-        )
+        if spec.entrypoint is None or self._logs_specs is None:
+            raise RuntimeError("tierckpt run: the worker spec has no entrypoint or logs spec")
+        kw: dict[str, Any] = dict(name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs,
+                                  logs_specs=self._logs_specs, log_line_prefixes=prefixes,
+                                  duplicate_stdout_filters=spec.duplicate_stdout_filters,
+                                  duplicate_stderr_filters=spec.duplicate_stderr_filters)
+        if isinstance(spec.entrypoint, str):
+            # torch's SubprocessContext (polling, failures, logs, tee, kill by process group), with
+            # ranks served by warm standbys where possible (warm.py)
+            ctx = WarmSubprocessContext(pool=self._pool, **kw)
+            try:
+                ctx.start()
+            except Exception:
+                ctx.close()
+                raise
+            self._pcontext = ctx
+            self.warm_ranks = list(ctx.warm_ranks)
+        else:
+            self._pcontext = start_processes(start_method=self._start_method, **kw)
+            self.warm_ranks = []
         self._arm_detectors(worker_group)
         return self._pcontext.pids()
+
+    def _start_pool(self) -> None:
+        """Standby interpreters for warm (re)starts, spawned now so they import torch during the rendezvous."""
+        spec = self._worker_group.spec
+        if self.opts.warm.workers <= 0 or not isinstance(spec.entrypoint, str) or \
+                not warmable(spec.entrypoint, tuple(spec.args)):
+            return
+        env = {**os.environ, **self._static_env()}
+        if "OMP_NUM_THREADS" in os.environ:
+            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        self._pool = StandbyPool(self.opts.warm, spec.entrypoint, env)
+        self._pool.fill()
+
+    def _maybe_refill(self) -> None:
+        """Replace consumed standbys once the new workers beat (or after ``refill_after_s``): their
+        imports would otherwise compete with the restart they follow for the CPU."""
+        pool = self._pool
+        if pool is None:
+            return
+        for sb in pool.newly_ready():
+            self.events.emit("standby", generation=self.generation, ready=sb.pid,
+                             import_s=round(sb.ready_after_s or 0.0, 3))
+        if not pool.short:
+            return
+        beaten = bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
+        if beaten or time.time() - self._gen_started >= self.opts.warm.refill_after_s:
+            dead = len(pool.died)
+            started = pool.fill()
+            for pid, code in pool.died[dead:]:
+                self.events.emit("warning", generation=self.generation,
+                                 what=f"standby {pid} exited with {code} before use; replaced")
+            if started:
+                self.events.emit("standby", generation=self.generation, started=started)
 
     def _arm_detectors(self, wg: WorkerGroup) -> None:
         now = time.monotonic()
@@ -326,15 +379,17 @@ class TierckptAgent(LocalElasticAgent):
         wg = self._worker_group
         spec = wg.spec
         self._host_agent()
+        self._start_pool()
         self._join()
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
-                         if self._pcontext else [])
+                         if self._pcontext else [], warm=self.warm_ranks)
         while True:
             time.sleep(spec.monitor_interval)
             result = self._monitor_workers(wg)
             wg.state = result.state
+            self._maybe_refill()
             if result.state == WorkerState.SUCCEEDED:
                 assert self._ctl is not None
                 self._ctl.mark_done(self.node)
@@ -400,7 +455,7 @@ class TierckptAgent(LocalElasticAgent):
             self.events.detection.set(float(fault["detection_latency_s"]))
         self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
                          why=decision.reason, recovery_s=round(recovery, 3),
-                         pids=list(self._pcontext.pids().values()) if self._pcontext else [])
+                         pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
         return None
 
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
@@ -459,6 +514,9 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._node_agent is not None:
             self._node_agent.close()
             self._node_agent = None
