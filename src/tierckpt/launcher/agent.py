@@ -73,6 +73,7 @@ class TierckptAgent(LocalElasticAgent):
         self._node_agent: Any = None
         self._pool: StandbyPool | None = None
         self.warm_ranks: list[int] = []
+        self._died_seen = 0
 
     # ---- state kept beside the memory tier (survives a full job restart) ----
     def _state_path(self) -> Path | None:
@@ -237,17 +238,16 @@ class TierckptAgent(LocalElasticAgent):
         for sb in pool.newly_ready():
             self.events.emit("standby", generation=self.generation, ready=sb.pid,
                              import_s=round(sb.ready_after_s or 0.0, 3))
-        if not pool.short:
-            return
-        beaten = bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
-        if beaten or time.time() - self._gen_started >= self.opts.warm.refill_after_s:
-            dead = len(pool.died)
-            started = pool.fill()
-            for pid, code in pool.died[dead:]:
-                self.events.emit("warning", generation=self.generation,
-                                 what=f"standby {pid} exited with {code} before use; replaced")
-            if started:
-                self.events.emit("standby", generation=self.generation, started=started)
+        if pool.short:
+            beaten = bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
+            if beaten or time.time() - self._gen_started >= self.opts.warm.refill_after_s:
+                started = pool.fill()
+                if started:
+                    self.events.emit("standby", generation=self.generation, started=started)
+        for pid, code in pool.died[self._died_seen:]:
+            self.events.emit("warning", generation=self.generation,
+                             what=f"standby {pid} exited with {code} before use; a new one replaces it")
+        self._died_seen = len(pool.died)
 
     def _arm_detectors(self, wg: WorkerGroup) -> None:
         now = time.monotonic()

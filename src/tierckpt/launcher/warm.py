@@ -139,12 +139,15 @@ class StandbyPool:
         self._reported: set[int] = set()
         self.died: list[tuple[int, int | None]] = []  # (pid, exit code) of standbys dead before use
 
-    def fill(self) -> int:
-        """Drop dead standbys, start new ones up to ``policy.workers``; the number started."""
+    def _reap(self) -> None:
         for sb in [s for s in self._idle if not s.alive()]:
             self._idle.remove(sb)
             self.died.append((sb.pid, sb.proc.returncode))
             sb.retire()
+
+    def fill(self) -> int:
+        """Drop dead standbys, start new ones up to ``policy.workers``; the number started."""
+        self._reap()
         n = 0
         while len(self._idle) < self.policy.workers:
             self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env)))
@@ -160,13 +163,16 @@ class StandbyPool:
 
     @property
     def short(self) -> bool:
+        """Fewer live standbys than the policy keeps (dead ones are dropped and listed in ``died``)."""
+        self._reap()
         return len(self._idle) < self.policy.workers
 
     def take(self, env: Mapping[str, str]) -> Standby | None:
         """A live standby whose import-time environment equals ``env``'s (ready ones first)."""
         want = import_time_env(env)
+        self._reap()
         for sb in sorted(self._idle, key=lambda s: not s.ready()):
-            if sb.alive() and import_time_env(sb.env) == want:
+            if import_time_env(sb.env) == want:
                 self._idle.remove(sb)
                 return sb
         return None
@@ -230,3 +236,12 @@ class WarmSubprocessContext(SubprocessContext):
                                                  stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank],
                                                  local_rank_id=local_rank, numa_options=self._numa_options)
             self.subprocess_handlers[local_rank] = handler
+
+    def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
+        super()._close(death_sig=death_sig, timeout=timeout)
+        # torch closes a handler's log files only when it signals a live process: one that exited
+        # (the crash that caused a restart) would keep its two descriptors open in the agent
+        for handler in self.subprocess_handlers.values():
+            for f in (handler._stdout, handler._stderr):
+                if f is not None and not f.closed:
+                    f.close()
