@@ -40,7 +40,7 @@ from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.rules import RuleMonitor
-from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, warmable
+from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.monitor import read_beat
 
 __all__ = ["TierckptAgent"]
@@ -514,6 +514,7 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        drain_closers()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
