@@ -74,6 +74,8 @@ class TierckptAgent(LocalElasticAgent):
         self._pool: StandbyPool | None = None
         self.warm_ranks: list[int] = []
         self._died_seen = 0
+        self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
+        self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
 
     # ---- state kept beside the memory tier (survives a full job restart) ----
     def _state_path(self) -> Path | None:
@@ -82,7 +84,7 @@ class TierckptAgent(LocalElasticAgent):
         run_id = self._worker_group.spec.rdzv_handler.get_run_id()
         return Path(self.opts.memory_dir) / _STATE_DIR / f"{run_id}.json"
 
-    def _load_state(self) -> dict[str, int]:
+    def _load_state(self) -> dict[str, Any]:
         p = self._state_path()
         try:
             return dict(json.loads(p.read_text())) if p is not None else {}
@@ -90,7 +92,8 @@ class TierckptAgent(LocalElasticAgent):
             return {}
 
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
-        body = json.dumps({"next_generation": next_generation, "full_restarts": full_restarts})
+        body = json.dumps({"next_generation": next_generation, "full_restarts": full_restarts,
+                           "job_started": self._job_started})
         p = self._state_path()
         if p is not None:
             p.parent.mkdir(parents=True, exist_ok=True)
@@ -126,6 +129,7 @@ class TierckptAgent(LocalElasticAgent):
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
         st = self._load_state()
+        self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
         self.generation, self.full_restarts = self._ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
@@ -274,6 +278,9 @@ class TierckptAgent(LocalElasticAgent):
         wg = self._worker_group
         now = time.monotonic()
         by_local = {w.local_rank: w.global_rank for w in wg.workers}
+        late = self._deadline_passed()
+        if late is not None:
+            return self._record(late[0], None, late[1], since=None)
         if result.state == WorkerState.FAILED:
             rank, failure = sorted(result.failures.items())[0] if result.failures else (None, None)
             code = getattr(failure, "exitcode", None)
@@ -302,6 +309,16 @@ class TierckptAgent(LocalElasticAgent):
         if wg.spec.rdzv_handler.num_nodes_waiting() > 0:
             return self._record("MembershipChange", None, "a new agent is waiting in the rendezvous", since=now)
         return None
+
+    def _deadline_passed(self) -> tuple[str, str] | None:
+        """activeDeadlineSeconds / faultDeadlineSeconds (escalation.py) at this poll."""
+        pol = self.opts.escalation
+        if pol.active_deadline_s is None and pol.fault_deadline_s is None:
+            return None
+        recovered = (bool(self._trackers) and all(t.first_beat for t in self._trackers.values())) or \
+            time.time() - self._gen_started >= pol.stable_after_s
+        return pol.deadline_fault(time.time(), job_started=self._job_started, history=self._history,
+                                  recovered=recovered)
 
     def _report_calibration(self) -> None:
         if self._calibrated_reported or not self._trackers:
@@ -428,7 +445,7 @@ class TierckptAgent(LocalElasticAgent):
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self._ctl.stopped(g)
-        history = [_fault_of(r) for r in self._ctl.history(g)]
+        history = self._history = [_fault_of(r) for r in self._ctl.history(g)]
         decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
                                                seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
         all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
