@@ -203,7 +203,8 @@ class TierckptAgent(LocalElasticAgent):
         kw: dict[str, Any] = dict(name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs,
                                   logs_specs=self._logs_specs, log_line_prefixes=prefixes,
                                   duplicate_stdout_filters=spec.duplicate_stdout_filters,
-                                  duplicate_stderr_filters=spec.duplicate_stderr_filters)
+                                  duplicate_stderr_filters=spec.duplicate_stderr_filters,
+                                  numa_options=spec.numa_options)
         if isinstance(spec.entrypoint, str):
             # torch's SubprocessContext (polling, failures, logs, tee, kill by process group), with
             # ranks served by warm standbys where possible (warm.py)

@@ -211,7 +211,7 @@ def launch(args: Namespace, opts: Any) -> int:
                       rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
                       local_addr=config.local_addr, duplicate_stdout_filters=config.duplicate_stdout_filters,
-                      duplicate_stderr_filters=config.duplicate_stderr_filters)
+                      duplicate_stderr_filters=config.duplicate_stderr_filters, numa_options=config.numa_options)
     assert config.logs_specs is not None
     agent = TierckptAgent(spec, config.logs_specs, opts, start_method=config.start_method,
                           log_line_prefix_template=config.log_line_prefix_template,

@@ -224,7 +224,9 @@ class WarmSubprocessContext(SubprocessContext):
         for local_rank in range(self.nprocs):
             args, env = self.args[local_rank], self.envs[local_rank]
             handler: SubprocessHandler | None = None
-            sb = self.pool.take({**os.environ, **env}) if self.pool is not None and warmable(entry, args) else None
+            # a NUMA-bound rank runs under numactl: cold (a standby's memory is not on that node)
+            usable = self.pool is not None and self._numa_options is None and warmable(entry, args)
+            sb = self.pool.take({**os.environ, **env}) if self.pool is not None and usable else None
             if sb is not None:
                 try:
                     handler = _WarmHandler(sb, args, env, self.stdouts[local_rank], self.stderrs[local_rank],

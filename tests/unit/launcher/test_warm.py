@@ -129,3 +129,26 @@ def test_standby_exits_when_its_agent_goes_away(tmp_path: Path) -> None:
     sb = Standby(sys.executable, (), _env(tmp_path))
     sb.sock.close()  # what the agent's death does to its end
     assert sb.proc.wait(timeout=120) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, workers, imports",
+    [([], 2, ()), (["--warm-workers", "0"], 0, ()), (["--no-warm"], 0, ()), (["--warm-workers", "5"], 5, ()),
+     (["--warm-imports", "transformers, mypkg.models"], 2, ("transformers", "mypkg.models"))],
+)
+def test_run_options(argv: list[str], workers: int, imports: tuple[str, ...]) -> None:
+    from tierckpt.launcher.cli import _options, build_parser
+
+    args = build_parser().parse_args(["--nproc-per-node", "2", *argv, "train.py"])
+    assert _options(args).warm == WarmPolicy(workers=workers, imports=imports)
+
+
+@pytest.mark.parametrize("argv, match", [(["--warm-workers", "many"], "--warm-workers must be 'auto' or a count"),
+                                         (["--warm-workers", "-1"], "--warm-workers must be 0 or more"),
+                                         (["--warm-imports", "a b"], "'a b' is not a module name")])
+def test_bad_run_options(argv: list[str], match: str) -> None:
+    from tierckpt.errors import TierckptError
+    from tierckpt.launcher.cli import _options, build_parser
+
+    with pytest.raises(TierckptError, match=match):
+        _options(build_parser().parse_args([*argv, "train.py"]))
