@@ -16,7 +16,6 @@ Call order (one agent per node, all the same code):
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,15 +23,14 @@ import socket
 import tempfile
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.utils.api import macros
 
+from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
@@ -40,13 +38,11 @@ from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.rules import RuleMonitor
-from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
+from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
+from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import read_beat
 
 __all__ = ["TierckptAgent"]
-
-_STATE_DIR = ".tierckpt-run"
-
 
 class TierckptAgent(LocalElasticAgent):
     """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
@@ -77,40 +73,14 @@ class TierckptAgent(LocalElasticAgent):
         self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
         self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
 
-    # ---- state kept beside the memory tier (survives a full job restart) ----
-    def _state_path(self) -> Path | None:
-        if not self.opts.memory_dir:
-            return None
-        run_id = self._worker_group.spec.rdzv_handler.get_run_id()
-        return Path(self.opts.memory_dir) / _STATE_DIR / f"{run_id}.json"
-
+    # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
-        p = self._state_path()
-        try:
-            return dict(json.loads(p.read_text())) if p is not None else {}
-        except (FileNotFoundError, ValueError):
-            return {}
+        return restart_state.load(self.opts, self._worker_group.spec.rdzv_handler.get_run_id())
 
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
-        body = json.dumps({"next_generation": next_generation, "full_restarts": full_restarts,
-                           "job_started": self._job_started})
-        p = self._state_path()
-        if p is not None:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text(body)
-            os.replace(tmp, p)
-        durable = self._durable_state_path()
-        if durable is not None:
-            durable.parent.mkdir(parents=True, exist_ok=True)
-            durable.write_text(body)
-
-    def _durable_state_path(self) -> Path | None:
-        url, ns = self.opts.durable_url, self.opts.namespace
-        if not url or not ns or not url.startswith("file://"):
-            return None  # S3: the memory-side copy only (documented)
-        run_id = self._worker_group.spec.rdzv_handler.get_run_id()
-        return Path(url[len("file://"):]) / ns / _STATE_DIR / f"{run_id}.json"
+        restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
+                           {"next_generation": next_generation, "full_restarts": full_restarts,
+                            "job_started": self._job_started})
 
     @property
     def node(self) -> int:
@@ -154,71 +124,21 @@ class TierckptAgent(LocalElasticAgent):
         return self._ctl.master(generation, timeout=max(60.0, self.opts.node_timeout_s))
 
     # ---- workers ----
-    def _static_env(self) -> dict[str, str]:
-        """What every worker of every generation gets beside torch elastic's per-rank variables."""
-        env = {"TIERCKPT_MONITOR_DIR": self._beat_dir, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
-               "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-               # a fresh store per generation (rank 0 hosts it on the published port)
-               "TORCHELASTIC_USE_AGENT_STORE": "False"}
-        for key, value in (("TIERCKPT_NAMESPACE", self.opts.namespace), ("TIERCKPT_MEMORY_DIR", self.opts.memory_dir),
-                           ("TIERCKPT_DURABLE_URL", self.opts.durable_url)):
-            if value:
-                env[key] = value
-        return env
-
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        spec = worker_group.spec
         g = self.generation
         addr, port = self._master_for(g)
         worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]
         shutil.rmtree(self._beat_dir, ignore_errors=True)
         os.makedirs(self._beat_dir)
-        envs: dict[int, dict[str, str]] = {}
-        args: dict[int, tuple[Any, ...]] = {}
-        for w in worker_group.workers:
-            env = {
-                "RANK": str(w.global_rank), "GROUP_RANK": str(worker_group.group_rank),
-                "ROLE_RANK": str(w.role_rank), "ROLE_NAME": spec.role,
-                "LOCAL_WORLD_SIZE": str(spec.local_world_size), "WORLD_SIZE": str(w.world_size),
-                "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "ROLE_WORLD_SIZE": str(w.role_world_size),
-                "MASTER_ADDR": addr, "MASTER_PORT": str(port), "TIERCKPT_GENERATION": str(g),
-                # the generation is the restart count: job-wide, never per agent (pytorch#135712)
-                "TORCHELASTIC_RESTART_COUNT": str(g), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-                "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
-                **self._static_env(),
-            }
-            self._set_local_rank_env(env, w.local_rank, spec)  # type: ignore[arg-type]
-            if "OMP_NUM_THREADS" in os.environ:
-                env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-            envs[w.local_rank] = env
-            args[w.local_rank] = tuple(macros.substitute(list(spec.args), str(w.local_rank)))
-        prefixes = None
-        if self._log_line_prefix_template:
-            from string import Template
-
-            prefixes = {w.local_rank: Template(self._log_line_prefix_template).safe_substitute(
-                role_name=spec.role, rank=w.global_rank, local_rank=w.local_rank) for w in worker_group.workers}
-        if spec.entrypoint is None or self._logs_specs is None:
-            raise RuntimeError("tierckpt run: the worker spec has no entrypoint or logs spec")
-        kw: dict[str, Any] = dict(name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs,
-                                  logs_specs=self._logs_specs, log_line_prefixes=prefixes,
-                                  duplicate_stdout_filters=spec.duplicate_stdout_filters,
-                                  duplicate_stderr_filters=spec.duplicate_stderr_filters,
-                                  numa_options=spec.numa_options)
-        if isinstance(spec.entrypoint, str):
-            # torch's SubprocessContext (polling, failures, logs, tee, kill by process group), with
-            # ranks served by warm standbys where possible (warm.py)
-            ctx = WarmSubprocessContext(pool=self._pool, **kw)
-            try:
-                ctx.start()
-            except Exception:
-                ctx.close()
-                raise
-            self._pcontext = ctx
-            self.warm_ranks = list(ctx.warm_ranks)
-        else:
-            self._pcontext = start_processes(start_method=self._start_method, **kw)
-            self.warm_ranks = []
+        envs, args = worker_envs(worker_group, generation=g, addr=addr, port=port,
+                                 static=static_env(self.opts, self._beat_dir),
+                                 set_local_rank_env=lambda env, lr: self._set_local_rank_env(
+                                     env, lr, worker_group.spec))  # type: ignore[arg-type]
+        if self._logs_specs is None:
+            raise RuntimeError("tierckpt run: the agent has no logs spec")
+        self._pcontext, self.warm_ranks = start_context(
+            worker_group, envs, args, logs_specs=self._logs_specs, prefix_template=self._log_line_prefix_template,
+            pool=self._pool, start_method=self._start_method)
         self._arm_detectors(worker_group)
         return self._pcontext.pids()
 
@@ -228,9 +148,7 @@ class TierckptAgent(LocalElasticAgent):
         if self.opts.warm.workers <= 0 or not isinstance(spec.entrypoint, str) or \
                 not warmable(spec.entrypoint, tuple(spec.args)):
             return
-        env = {**os.environ, **self._static_env()}
-        if "OMP_NUM_THREADS" in os.environ:
-            env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
+        env = {**os.environ, **static_env(self.opts, self._beat_dir)}
         self._pool = StandbyPool(self.opts.warm, spec.entrypoint, env)
         self._pool.fill()
 
