@@ -60,7 +60,7 @@ LAUNCHERS = ("warm", "cold", "torchrun")
 _RUNS = {"crash": LAUNCHERS, "hang": ("warm", "torchrun")}  # a standby does not change hang detection
 STAGES = ("detect", "stop", "restart", "spawn", "imports", "pg", "load", "first_step")
 _STAGE_LABELS = {"detect": "kill -> fault event (detection)", "stop": "-> workers stopped on both nodes",
-                 "restart": "-> restart events (barrier, port, start)", "spawn": "-> workers in main() (cold: python, torch)",
+                 "restart": "-> restart events (barrier, port, start)", "spawn": "-> in main() (cold: python, torch)",
                  "imports": "-> the script's imports done", "pg": "-> init_process_group done",
                  "load": "-> model built, state loaded from memory", "first_step": "-> first step on both ranks"}
 _GOALS = {"cold": 0.5, "warm": 0.3}  # x torchrun (issue 7, issue 9)
@@ -278,9 +278,9 @@ def format_report(doc: dict[str, Any]) -> str:
         cols = [_fmt(fig[k]["median_s"], cap if k == "torchrun" else None) if k in fig else "-" for k in LAUNCHERS]
         ratios = ", ".join(f"{k} {v:.2f}" for k, v in fig["ratio"].items() if v is not None) or "n/a"
         lines.append(f"  {rows[scenario]:<46} {cols[0]:>{w + 2}} {cols[1]:>{w + 2}} {cols[2]:>{w + 2}}   {ratios}")
-        each = [" ".join("-" if v is None else f"{v:.2f}" for v in fig[k]["runs_s"]) if k in fig else "-"
-                for k in LAUNCHERS]
-        lines.append(f"  {'  runs':<46} {each[0]:>{w + 2}} {each[1]:>{w + 2}} {each[2]:>{w + 2}}")
+        each = " | ".join(f"{k} " + " ".join("-" if v is None else f"{v:.2f}" for v in fig[k]["runs_s"])
+                          for k in LAUNCHERS if k in fig)
+        lines.append(f"    runs (s): {each}")
         if any("worker_start_s" in fig.get(k, {}) for k in LAUNCHERS):
             ws = [_fmt(fig.get(k, {}).get("worker_start_s", {}).get("median_s")) for k in LAUNCHERS]
             lines.append(f"  {'    kill -> both new workers in main()':<46} {ws[0]:>{w + 2}} {ws[1]:>{w + 2}} "
