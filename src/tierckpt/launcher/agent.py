@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tierckpt.launcher import state as restart_state
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.control import ClaimWatch, JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.heartbeat import BeatTracker
@@ -60,6 +60,7 @@ class TierckptAgent(LocalElasticAgent):
         self._gen_started = time.time()
         self._ctl: JobControl | None = None
         self._liveness: Liveness | None = None
+        self._claims: ClaimWatch | None = None  # wakes the loop when any node claims a fault
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._beat_dir = tempfile.mkdtemp(prefix="tierckpt-run-", dir=shm)
         self._trackers: dict[int, BeatTracker] = {}
@@ -109,6 +110,7 @@ class TierckptAgent(LocalElasticAgent):
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
                                       interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
             self._liveness.start()
+            self._claims = ClaimWatch(lambda: connect_client(host, port))
         self._liveness.reset(self.node, list(range(self.nnodes)))
 
     def _master_for(self, generation: int) -> tuple[str, int]:
@@ -289,6 +291,8 @@ class TierckptAgent(LocalElasticAgent):
         finally:
             if self._liveness is not None:
                 self._liveness.close()
+            if self._claims is not None:
+                self._claims.close()
             shutil.rmtree(self._beat_dir, ignore_errors=True)
 
     def _host_agent(self) -> None:
@@ -322,7 +326,11 @@ class TierckptAgent(LocalElasticAgent):
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
                          if self._pcontext else [], warm=self.warm_ranks)
         while True:
-            time.sleep(spec.monitor_interval)
+            if self._claims is None:
+                time.sleep(spec.monitor_interval)
+            else:  # a claim by another node wakes us at once: no wait for the next tick to stop
+                self._claims.watch(self.generation)
+                self._claims.event.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
             wg.state = result.state
             self._maybe_refill()

@@ -147,3 +147,22 @@ def test_liveness_reports_a_silent_agent(store: dist.TCPStore) -> None:  # type:
         time.sleep(0.02)
     assert a.lost() == [1]
     a.close()
+
+
+def test_claim_watch_wakes_on_a_claim_of_the_watched_generation(store: dist.TCPStore) -> None:  # type: ignore[name-defined]
+    from tierckpt.launcher.control import ClaimWatch
+
+    ctl = JobControl(store)
+    watch = ClaimWatch(lambda: connect_client("127.0.0.1", store.port))
+    try:
+        watch.watch(0)
+        assert not watch.event.wait(0.3)  # nothing claimed
+        ctl.claim(0, {"reason": "Crash"})
+        assert watch.event.wait(10), "a claim of generation 0 did not wake the watcher"
+        watch.watch(1)  # the next generation: cleared, and an old claim does not count
+        assert not watch.event.is_set()
+        assert not watch.event.wait(0.3)
+        ctl.claim(1, {"reason": "Hang"})
+        assert watch.event.wait(10), "a claim of generation 1 did not wake the watcher"
+    finally:
+        watch.close()
