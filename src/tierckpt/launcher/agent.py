@@ -31,13 +31,14 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tierckpt.launcher import state as restart_state
-from tierckpt.launcher.control import ClaimWatch, JobControl, Liveness, connect_client
+from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
 from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import read_beat
@@ -60,7 +61,7 @@ class TierckptAgent(LocalElasticAgent):
         self._gen_started = time.time()
         self._ctl: JobControl | None = None
         self._liveness: Liveness | None = None
-        self._claims: ClaimWatch | None = None  # wakes the loop when any node claims a fault
+        self._waker = Waker()
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._beat_dir = tempfile.mkdtemp(prefix="tierckpt-run-", dir=shm)
         self._trackers: dict[int, BeatTracker] = {}
@@ -110,7 +111,6 @@ class TierckptAgent(LocalElasticAgent):
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
                                       interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
             self._liveness.start()
-            self._claims = ClaimWatch(lambda: connect_client(host, port))
         self._liveness.reset(self.node, list(range(self.nnodes)))
 
     def _master_for(self, generation: int) -> tuple[str, int]:
@@ -291,8 +291,7 @@ class TierckptAgent(LocalElasticAgent):
         finally:
             if self._liveness is not None:
                 self._liveness.close()
-            if self._claims is not None:
-                self._claims.close()
+            self._waker.close()
             shutil.rmtree(self._beat_dir, ignore_errors=True)
 
     def _host_agent(self) -> None:
@@ -326,11 +325,9 @@ class TierckptAgent(LocalElasticAgent):
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
                          if self._pcontext else [], warm=self.warm_ranks)
         while True:
-            if self._claims is None:
-                time.sleep(spec.monitor_interval)
-            else:  # a claim by another node wakes us at once: no wait for the next tick to stop
-                self._claims.watch(self.generation)
-                self._claims.event.wait(spec.monitor_interval)
+            # a worker's exit (SIGCHLD) ends the wait at once (wake.py); another node's claim is
+            # seen at this poll
+            self._waker.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
             wg.state = result.state
             self._maybe_refill()

@@ -15,9 +15,7 @@ generation to g + 1, and every agent starts g + 1 after the stop barrier, so two
 never run workers of different generations (pytorch#135712). Workers of each generation meet
 on a fresh TCPStore port published here, so no key of an older generation is ever read.
 ``Liveness`` runs in a thread with its own store client and reports agents whose counter
-stopped moving. ``ClaimWatch`` blocks in the store on the current generation's fault key in
-a thread of its own, so an agent waits for its next poll on ``ClaimWatch.event`` and wakes as
-soon as any node claims a fault (instead of at its next tick).
+stopped moving.
 """
 
 from __future__ import annotations
@@ -29,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ClaimWatch", "JobControl", "Liveness"]
+__all__ = ["JobControl", "Liveness"]
 
 _P = "tierckpt/run/"
 
@@ -190,58 +188,6 @@ class Liveness:
                 for n, v in values.items():
                     if n in self._peers and self._peers[n][0] != v:
                         self._peers[n] = (v, now)
-
-
-class ClaimWatch:
-    """Sets ``event`` as soon as a fault of the watched generation is claimed (``watch(g)`` moves on,
-    and clears it). Best effort: if the store fails the thread ends and the agent's polls remain."""
-
-    def __init__(self, connect: Callable[[], Any]) -> None:
-        self._connect = connect
-        self.event = threading.Event()
-        self._cond = threading.Condition()
-        self._generation: int | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tierckpt-claim-watch", daemon=True)
-        self._thread.start()
-
-    def watch(self, generation: int) -> None:
-        with self._cond:
-            if generation != self._generation:
-                self._generation = generation
-                self.event.clear()
-                self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()  # a thread blocked in the store stays there: it is a daemon
-
-    def _run(self) -> None:
-        import torch.distributed as dist
-
-        try:
-            store = self._connect()
-        except _store_error_types():
-            return
-        while True:
-            with self._cond:
-                while self._generation is None and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                g = self._generation
-            try:  # long: a timeout makes the store log a warning
-                store.wait([f"{_P}fault/{g}"], datetime.timedelta(hours=1))
-            except dist.DistStoreError:  # timed out: wait again
-                continue
-            except _store_error_types():
-                return
-            with self._cond:
-                if self._generation == g:
-                    self.event.set()
-                while self._generation == g and not self._closed:
-                    self._cond.wait()
 
 
 def connect_client(host: str, port: int, timeout_s: float = 30.0) -> Any:

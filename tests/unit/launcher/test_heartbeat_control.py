@@ -149,20 +149,22 @@ def test_liveness_reports_a_silent_agent(store: dist.TCPStore) -> None:  # type:
     a.close()
 
 
-def test_claim_watch_wakes_on_a_claim_of_the_watched_generation(store: dist.TCPStore) -> None:  # type: ignore[name-defined]
-    from tierckpt.launcher.control import ClaimWatch
+def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
+    import signal
+    import subprocess
 
-    ctl = JobControl(store)
-    watch = ClaimWatch(lambda: connect_client("127.0.0.1", store.port))
+    from tierckpt.launcher.wake import Waker
+
+    before = signal.getsignal(signal.SIGCHLD)
+    waker = Waker()
     try:
-        watch.watch(0)
-        assert not watch.event.wait(0.3)  # nothing claimed
-        ctl.claim(0, {"reason": "Crash"})
-        assert watch.event.wait(10), "a claim of generation 0 did not wake the watcher"
-        watch.watch(1)  # the next generation: cleared, and an old claim does not count
-        assert not watch.event.is_set()
-        assert not watch.event.wait(0.3)
-        ctl.claim(1, {"reason": "Hang"})
-        assert watch.event.wait(10), "a claim of generation 1 did not wake the watcher"
+        assert waker.wait(0.05) is False  # nothing happened: the full timeout
+        child = subprocess.Popen(["true"])
+        assert waker.wait(30) is True, "a child's exit did not end the wait"
+        child.wait()
+        waker.wait(0)  # drain a second SIGCHLD, if any
+        waker.notify()
+        assert waker.wait(30) is True
     finally:
-        watch.close()
+        waker.close()
+    assert signal.getsignal(signal.SIGCHLD) == before
