@@ -152,3 +152,46 @@ def test_bad_run_options(argv: list[str], match: str) -> None:
 
     with pytest.raises(TierckptError, match=match):
         _options(build_parser().parse_args([*argv, "train.py"]))
+
+
+@pytest.mark.slow
+def test_a_warm_worker_dies_with_its_agent(tmp_path: Path) -> None:
+    """The agent is a child process here; SIGKILL it and its warm worker goes too."""
+    import signal
+    import subprocess
+
+    (tmp_path / "agent.py").write_text(
+        "import os, sys, time\n"
+        "from tierckpt.launcher.warm import Standby\n"
+        "sb = Standby(sys.executable, (), dict(os.environ))\n"
+        "while not sb.ready(): time.sleep(0.05)\n"
+        f"sb.hand_over(('-u', {str(tmp_path / 'loop.py')!r}), dict(os.environ), 1, 2)\n"
+        "print(sb.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    (tmp_path / "loop.py").write_text("import time\nwhile True:\n    time.sleep(0.1)\n")
+    agent = subprocess.Popen([sys.executable, str(tmp_path / "agent.py")], env=_env(tmp_path),
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert agent.stdout is not None
+        worker = int(agent.stdout.readline())
+        assert _alive(worker)
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(worker), "the warm worker outlived its agent"
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=30)
+        if agent.stdout is not None:
+            agent.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
