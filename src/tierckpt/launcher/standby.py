@@ -16,8 +16,7 @@ A standby that would run stale code (a module it imported from outside the inter
 install changed on disk since, or CUDA was initialised) does not run it warm: it
 ``execve``s the cold command line in place, same pid, same process group, same descriptors,
 so the agent's monitoring cannot tell and nothing hangs. End of file on the socket (the
-agent went away or retired it) ends the standby; a standby or warm worker also dies with its
-agent (``PR_SET_PDEATHSIG``).
+agent went away or retired it) ends the standby.
 """
 
 from __future__ import annotations
@@ -124,20 +123,7 @@ def _run(args: list[str]) -> None:
         runpy.run_path(script, run_name="__main__")
 
 
-def _die_with_agent() -> None:
-    """SIGKILL this process when the agent that spawned it dies (``PR_SET_PDEATHSIG``): a warm
-    worker's command line is the standby's, so nothing could find it by its script's name."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: end of file on the socket still ends an idle one
-        pass
-
-
 def main() -> None:
-    _die_with_agent()
     fd = int(sys.argv[1])
     names = [*DEFAULT_IMPORTS, *(n for n in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if n)]
     spawned = sys.argv[3] if len(sys.argv) > 3 else f"{time.time():.6f}"  # the agent's clock at spawn
