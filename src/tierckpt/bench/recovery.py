@@ -79,6 +79,13 @@ class _Job(TwoNodeJob):
         cmd = super().command(node)
         return [*cmd[:4], "--no-warm", *cmd[4:]] if self.mode == "cold" else cmd  # [python, -m, tierckpt.cli, run]
 
+    def close(self) -> None:
+        """``TwoNodeJob.close``, then every traced worker still alive: a warm worker's command line
+        is its standby's, so the search by work directory does not find one orphaned by its agent."""
+        super().close()
+        for pid in self.pids():
+            _kill_if_standby(pid)
+
     def standbys_ready(self) -> bool:
         """Each agent reported a standby whose imports finished after its last (re)start."""
         ev = self.events()
@@ -89,6 +96,17 @@ class _Job(TwoNodeJob):
                                      for e in mine):
                 return False
         return True
+
+
+def _kill_if_standby(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still a (warm worker of a) standby interpreter (not a reused pid)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"tierckpt.launcher.standby" not in f.read():
+                return
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ProcessLookupError):  # gone already
+        pass
 
 
 def _parser() -> argparse.ArgumentParser:
