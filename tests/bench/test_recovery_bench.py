@@ -1,4 +1,5 @@
-"""``tierckpt bench recovery`` on the crash scenario, one round: every figure exists, nothing is left.
+"""``tierckpt bench recovery`` on the crash scenario, one round (warm, cold, torchrun): every figure
+exists, nothing is left.
 
 Timings are not judged here (the goals live in the benchmark's report); only that each
 figure is there and positive, the stages add up, and the run cleaned up after itself.
@@ -36,19 +37,23 @@ def test_crash_round(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixtu
                         "--logs", str(logs), "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
-    assert "crash recovery <= 0.5 x torchrun" in printed and "hang" not in printed.split("goals")[1]
+    goals = printed.split("goals")[1]
+    assert "warm <= 0.3 x torchrun" in goals and "cold <= 0.5 x torchrun" in goals and "hang" not in goals
     doc = json.loads(out.read_text())
     crash = doc["figures"]["crash"]
-    for launcher in ("tierckpt", "torchrun"):
+    for launcher in ("warm", "cold", "torchrun"):
         assert crash[launcher]["median_s"] > 0 and len(crash[launcher]["runs_s"]) == 1
         assert crash[launcher]["worker_start_s"]["median_s"] > 0
-    assert crash["ratio"] > 0
-    stages = {k: v["median_s"] for k, v in crash["tierckpt"]["stages_s"].items()}
-    assert set(stages) == set(recovery.STAGES) and all(v > 0 for v in stages.values()), stages
-    assert sum(stages.values()) == pytest.approx(crash["tierckpt"]["median_s"], abs=1e-3)
-    for run in doc["runs"]:  # both ranks resumed the same committed step under either launcher
+    assert crash["ratio"]["warm"] > 0 and crash["ratio"]["cold"] > 0
+    for mode in ("warm", "cold"):
+        stages = {k: v["median_s"] for k, v in crash[mode]["stages_s"].items()}
+        assert set(stages) == set(recovery.STAGES), stages
+        assert sum(stages.values()) == pytest.approx(crash[mode]["median_s"], abs=1e-3)
+    runs = {r["launcher"]: r for r in doc["runs"]}
+    assert runs["warm"]["warm_ranks"] == [0, 1] and runs["cold"]["warm_ranks"] == []  # who served the restart
+    for run in doc["runs"]:  # both ranks resumed the same committed step under every launcher
         assert len(set(run["resumed_step"].values())) == 1 and None not in run["resumed_step"].values(), run
-    assert doc["failures"] == [] and [g["pass"] is not None for g in doc["goals"]] == [True]
+    assert doc["failures"] == [] and [g["pass"] is not None for g in doc["goals"]] == [True, True]
     assert list(shm_root.iterdir()) == [], "the run left memory tiers behind"
     assert _processes_naming(str(logs)) == [], "the run left launchers or workers running"
 

@@ -159,3 +159,12 @@ class LocalJob:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        # warm workers orphaned by a killed agent: their command line is the standby's, so by pid
+        for rank in range(self.nnodes):
+            for pid in {e["pid"] for e in self.trace(rank)}:
+                try:
+                    with open(f"/proc/{pid}/cmdline", "rb") as f:
+                        if b"tierckpt.launcher.standby" in f.read():
+                            os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass

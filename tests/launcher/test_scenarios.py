@@ -273,3 +273,21 @@ def test_hosted_agents_replicate_and_a_lost_node_resumes_from_its_peer(make_job:
     step = resumed[0]["step"]
     for r in RANKS:
         assert resumed[r]["digest"] == saved_digests(job, r, gen)[step]
+
+
+def test_active_deadline_fails_the_job(make_job: Callable[..., LocalJob], tmp_path: Path) -> None:
+    """``activeDeadlineSeconds``: the job's wall-clock limit; the newest step is kept, every agent exits 1."""
+    rules = """      - name: JobStart
+        logPattern: ".*Loss:.*"
+        expectedStartCutOffInSeconds: 120
+"""
+    job = make_job(train=["--steps", "100000"], job_file=_job_yaml(tmp_path, rules, "    activeDeadlineSeconds: 12\n"))
+    job.start()
+    assert job.wait_exit(90) == {0: 1, 1: 1}, job.report()
+    for node in range(2):
+        ev = job.events(node)
+        fault = next(e for e in ev if e["event"] == "fault")
+        assert fault["reason"] == "ActiveDeadline" and fault["generation"] == 0
+        assert ev[-1]["event"] == "exit" and ev[-1]["why"] == "activeDeadlineSeconds exceeded"
+        assert not [e for e in ev if e["event"] == "restart"]
+    assert all(job.last_step(r) >= 1 for r in RANKS)  # it trained until the deadline

@@ -4,8 +4,9 @@ Run by a launcher (``tierckpt run`` or torchrun) with gloo on CPU: a tiny MLP, g
 all-reduced by hand (no DDP, whose lazy imports would dominate a restart), a
 ``Checkpointer.save`` to the memory tier every step, a heartbeat and a seed-style log line
 ("Batch 3 Loss: 0.12345, Speed: ...") per step. It records what it did as JSON lines in
-``<workdir>/trace_rank<r>.jsonl`` (``start``, ``resumed``, ``step``, ``done`` with times and the
-generation) so a driver can measure recovery and check which step was resumed.
+``<workdir>/trace_rank<r>.jsonl`` (``start``, ``imported``, ``pg`` (after ``init_process_group``),
+``resumed``, ``step``, ``done`` with times and the generation) so a driver can measure recovery
+and check which step was resumed.
 
 Faults on request (only in generation ``--fault-generation``, rank ``--fault-rank``):
 ``crash_on_start`` (exit 3 before the first step), ``nan`` (loss NaN at ``--fault-step``),
@@ -63,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     trace = work / f"trace_rank{rank_env}.jsonl"
     gen = int(os.environ.get("TIERCKPT_GENERATION", "0"))
     faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
-    _trace(trace, "start", interpreter_start=t_start)
+    # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
+    _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
+           warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None)
     if faulty and args.fault == "crash_on_start":
         print("crashing on start (as asked)", flush=True)
         return 3
@@ -74,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     import tierckpt
     import tierckpt.monitor as monitor
 
+    _trace(trace, "imported")
     dist.init_process_group("gloo")
+    _trace(trace, "pg")
     rank, world = dist.get_rank(), dist.get_world_size()
     (work / f"pid_rank{rank}").write_text(str(os.getpid()))
     torch.manual_seed(0)

@@ -16,7 +16,6 @@ Call order (one agent per node, all the same code):
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -24,14 +23,14 @@ import socket
 import tempfile
 import time
 import zlib
-from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
-from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
+from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
@@ -39,12 +38,12 @@ from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.wake import Waker
+from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
+from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import read_beat
 
 __all__ = ["TierckptAgent"]
-
-_STATE_DIR = ".tierckpt-run"
-
 
 class TierckptAgent(LocalElasticAgent):
     """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
@@ -62,6 +61,7 @@ class TierckptAgent(LocalElasticAgent):
         self._gen_started = time.time()
         self._ctl: JobControl | None = None
         self._liveness: Liveness | None = None
+        self._waker = Waker()
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self._beat_dir = tempfile.mkdtemp(prefix="tierckpt-run-", dir=shm)
         self._trackers: dict[int, BeatTracker] = {}
@@ -69,40 +69,20 @@ class TierckptAgent(LocalElasticAgent):
         self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
         self._calibrated_reported = False
         self._node_agent: Any = None
+        self._pool: StandbyPool | None = None
+        self.warm_ranks: list[int] = []
+        self._died_seen = 0
+        self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
+        self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
 
-    # ---- state kept beside the memory tier (survives a full job restart) ----
-    def _state_path(self) -> Path | None:
-        if not self.opts.memory_dir:
-            return None
-        run_id = self._worker_group.spec.rdzv_handler.get_run_id()
-        return Path(self.opts.memory_dir) / _STATE_DIR / f"{run_id}.json"
-
-    def _load_state(self) -> dict[str, int]:
-        p = self._state_path()
-        try:
-            return dict(json.loads(p.read_text())) if p is not None else {}
-        except (FileNotFoundError, ValueError):
-            return {}
+    # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
+    def _load_state(self) -> dict[str, Any]:
+        return restart_state.load(self.opts, self._worker_group.spec.rdzv_handler.get_run_id())
 
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
-        body = json.dumps({"next_generation": next_generation, "full_restarts": full_restarts})
-        p = self._state_path()
-        if p is not None:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(".tmp")
-            tmp.write_text(body)
-            os.replace(tmp, p)
-        durable = self._durable_state_path()
-        if durable is not None:
-            durable.parent.mkdir(parents=True, exist_ok=True)
-            durable.write_text(body)
-
-    def _durable_state_path(self) -> Path | None:
-        url, ns = self.opts.durable_url, self.opts.namespace
-        if not url or not ns or not url.startswith("file://"):
-            return None  # S3: the memory-side copy only (documented)
-        run_id = self._worker_group.spec.rdzv_handler.get_run_id()
-        return Path(url[len("file://"):]) / ns / _STATE_DIR / f"{run_id}.json"
+        restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
+                           {"next_generation": next_generation, "full_restarts": full_restarts,
+                            "job_started": self._job_started})
 
     @property
     def node(self) -> int:
@@ -121,6 +101,7 @@ class TierckptAgent(LocalElasticAgent):
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
         st = self._load_state()
+        self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
         self.generation, self.full_restarts = self._ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
@@ -146,55 +127,52 @@ class TierckptAgent(LocalElasticAgent):
 
     # ---- workers ----
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
-        spec = worker_group.spec
         g = self.generation
         addr, port = self._master_for(g)
         worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]
         shutil.rmtree(self._beat_dir, ignore_errors=True)
         os.makedirs(self._beat_dir)
-        extra = {"TIERCKPT_GENERATION": str(g), "TIERCKPT_MONITOR_DIR": self._beat_dir,
-                 "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1")}
-        for key, value in (("TIERCKPT_NAMESPACE", self.opts.namespace), ("TIERCKPT_MEMORY_DIR", self.opts.memory_dir),
-                           ("TIERCKPT_DURABLE_URL", self.opts.durable_url)):
-            if value:
-                extra[key] = value
-        envs: dict[int, dict[str, str]] = {}
-        args: dict[int, tuple[Any, ...]] = {}
-        for w in worker_group.workers:
-            env = {
-                "RANK": str(w.global_rank), "GROUP_RANK": str(worker_group.group_rank),
-                "ROLE_RANK": str(w.role_rank), "ROLE_NAME": spec.role,
-                "LOCAL_WORLD_SIZE": str(spec.local_world_size), "WORLD_SIZE": str(w.world_size),
-                "GROUP_WORLD_SIZE": str(worker_group.group_world_size), "ROLE_WORLD_SIZE": str(w.role_world_size),
-                "MASTER_ADDR": addr, "MASTER_PORT": str(port),
-                # the generation is the restart count: job-wide, never per agent (pytorch#135712)
-                "TORCHELASTIC_RESTART_COUNT": str(g), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-                "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
-                # a fresh store per generation (rank 0 hosts it on the published port)
-                "TORCHELASTIC_USE_AGENT_STORE": "False",
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-                **extra,
-            }
-            self._set_local_rank_env(env, w.local_rank, spec)  # type: ignore[arg-type]
-            if "OMP_NUM_THREADS" in os.environ:
-                env["OMP_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"]
-            envs[w.local_rank] = env
-            args[w.local_rank] = tuple(spec.args)
-        prefixes = None
-        if self._log_line_prefix_template:
-            from string import Template
-
-            prefixes = {w.local_rank: Template(self._log_line_prefix_template).safe_substitute(
-                role_name=spec.role, rank=w.global_rank, local_rank=w.local_rank) for w in worker_group.workers}
-        assert spec.entrypoint is not None and self._logs_specs is not None
-        self._pcontext = start_processes(
-            name=spec.role, entrypoint=spec.entrypoint, args=args, envs=envs, logs_specs=self._logs_specs,
-            log_line_prefixes=prefixes, start_method=self._start_method,
-            duplicate_stdout_filters=spec.duplicate_stdout_filters,
-            duplicate_stderr_filters=spec.duplicate_stderr_filters,
-        )
+        envs, args = worker_envs(worker_group, generation=g, addr=addr, port=port,
+                                 static=static_env(self.opts, self._beat_dir),
+                                 set_local_rank_env=lambda env, lr: self._set_local_rank_env(
+                                     env, lr, worker_group.spec))  # type: ignore[arg-type]
+        if self._logs_specs is None:
+            raise RuntimeError("tierckpt run: the agent has no logs spec")
+        self._pcontext, self.warm_ranks = start_context(
+            worker_group, envs, args, logs_specs=self._logs_specs, prefix_template=self._log_line_prefix_template,
+            pool=self._pool, start_method=self._start_method)
         self._arm_detectors(worker_group)
         return self._pcontext.pids()
+
+    def _start_pool(self) -> None:
+        """Standby interpreters for warm (re)starts, spawned now so they import torch during the rendezvous."""
+        spec = self._worker_group.spec
+        if self.opts.warm.workers <= 0 or not isinstance(spec.entrypoint, str) or \
+                not warmable(spec.entrypoint, tuple(spec.args)):
+            return
+        env = {**os.environ, **static_env(self.opts, self._beat_dir)}
+        self._pool = StandbyPool(self.opts.warm, spec.entrypoint, env)
+        self._pool.fill()
+
+    def _maybe_refill(self) -> None:
+        """Replace consumed standbys once the new workers beat (or after ``refill_after_s``): their
+        imports would otherwise compete with the restart they follow for the CPU."""
+        pool = self._pool
+        if pool is None:
+            return
+        for sb in pool.newly_ready():
+            self.events.emit("standby", generation=self.generation, ready=sb.pid,
+                             import_s=round(sb.ready_after_s or 0.0, 3))
+        if pool.short:
+            beaten = bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
+            if beaten or time.time() - self._gen_started >= self.opts.warm.refill_after_s:
+                started = pool.fill()
+                if started:
+                    self.events.emit("standby", generation=self.generation, started=started)
+        for pid, code in pool.died[self._died_seen:]:
+            self.events.emit("warning", generation=self.generation,
+                             what=f"standby {pid} exited with {code} before use; a new one replaces it")
+        self._died_seen = len(pool.died)
 
     def _arm_detectors(self, wg: WorkerGroup) -> None:
         now = time.monotonic()
@@ -221,6 +199,9 @@ class TierckptAgent(LocalElasticAgent):
         wg = self._worker_group
         now = time.monotonic()
         by_local = {w.local_rank: w.global_rank for w in wg.workers}
+        late = self._deadline_passed()
+        if late is not None:
+            return self._record(late[0], None, late[1], since=None)
         if result.state == WorkerState.FAILED:
             rank, failure = sorted(result.failures.items())[0] if result.failures else (None, None)
             code = getattr(failure, "exitcode", None)
@@ -249,6 +230,16 @@ class TierckptAgent(LocalElasticAgent):
         if wg.spec.rdzv_handler.num_nodes_waiting() > 0:
             return self._record("MembershipChange", None, "a new agent is waiting in the rendezvous", since=now)
         return None
+
+    def _deadline_passed(self) -> tuple[str, str] | None:
+        """activeDeadlineSeconds / faultDeadlineSeconds (escalation.py) at this poll."""
+        pol = self.opts.escalation
+        if pol.active_deadline_s is None and pol.fault_deadline_s is None:
+            return None
+        recovered = (bool(self._trackers) and all(t.first_beat for t in self._trackers.values())) or \
+            time.time() - self._gen_started >= pol.stable_after_s
+        return pol.deadline_fault(time.time(), job_started=self._job_started, history=self._history,
+                                  recovered=recovered)
 
     def _report_calibration(self) -> None:
         if self._calibrated_reported or not self._trackers:
@@ -300,6 +291,7 @@ class TierckptAgent(LocalElasticAgent):
         finally:
             if self._liveness is not None:
                 self._liveness.close()
+            self._waker.close()
             shutil.rmtree(self._beat_dir, ignore_errors=True)
 
     def _host_agent(self) -> None:
@@ -326,15 +318,19 @@ class TierckptAgent(LocalElasticAgent):
         wg = self._worker_group
         spec = wg.spec
         self._host_agent()
+        self._start_pool()
         self._join()
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
-                         if self._pcontext else [])
+                         if self._pcontext else [], warm=self.warm_ranks)
         while True:
-            time.sleep(spec.monitor_interval)
+            # a worker's exit (SIGCHLD) ends the wait at once (wake.py); another node's claim is
+            # seen at this poll
+            self._waker.wait(spec.monitor_interval)
             result = self._monitor_workers(wg)
             wg.state = result.state
+            self._maybe_refill()
             if result.state == WorkerState.SUCCEEDED:
                 assert self._ctl is not None
                 self._ctl.mark_done(self.node)
@@ -373,7 +369,7 @@ class TierckptAgent(LocalElasticAgent):
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self._ctl.stopped(g)
-        history = [_fault_of(r) for r in self._ctl.history(g)]
+        history = self._history = [_fault_of(r) for r in self._ctl.history(g)]
         decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
                                                seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
         all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
@@ -400,7 +396,7 @@ class TierckptAgent(LocalElasticAgent):
             self.events.detection.set(float(fault["detection_latency_s"]))
         self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
                          why=decision.reason, recovery_s=round(recovery, 3),
-                         pids=list(self._pcontext.pids().values()) if self._pcontext else [])
+                         pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
         return None
 
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
@@ -459,6 +455,10 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        drain_closers()
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
         if self._node_agent is not None:
             self._node_agent.close()
             self._node_agent = None

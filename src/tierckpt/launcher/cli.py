@@ -51,6 +51,12 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--node-timeout", type=float, default=10.0, help="an agent silent this long is a lost node")
     g.add_argument("--stop-grace", type=float, default=0.0,
                    help="SIGTERM grace (s) before SIGKILL when a fault stops workers (default: SIGKILL at once)")
+    g.add_argument("--warm-workers", default="auto",
+                   help="standby interpreters per agent, torch imported ahead, that become the workers of a "
+                   "(re)start: 'auto' (one per local worker), N, or 0 (off; also --no-warm)")
+    g.add_argument("--no-warm", action="store_true", help="every worker start is cold (same as --warm-workers 0)")
+    g.add_argument("--warm-imports", default="",
+                   help="comma-separated modules the standbys import ahead beside torch (e.g. the script's models)")
     a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given and no "
                              "agent already serves the memory root)")
     a.add_argument("--replicas", type=int, help="peer copies of this node's newest memory step (tierckpt agent)")
@@ -109,7 +115,41 @@ def _options(args: Namespace) -> Any:
         heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s),
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=_agent_config(args),
+        warm=_warm_policy(args),
     )
+
+
+def _warm_policy(args: Namespace) -> Any:
+    from tierckpt.launcher.warm import WarmPolicy
+
+    imports = tuple(m.strip() for m in args.warm_imports.split(",") if m.strip())
+    for name in imports:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise TierckptError(f"--warm-imports: {name!r} is not a module name (a.b.c, comma-separated)")
+    if args.no_warm:
+        return WarmPolicy(workers=0, imports=imports)
+    if args.warm_workers == "auto":
+        return WarmPolicy(workers=_local_workers(args.nproc_per_node), imports=imports)
+    try:
+        n = int(args.warm_workers)
+    except ValueError:
+        raise TierckptError(f"--warm-workers must be 'auto' or a count, got {args.warm_workers!r}") from None
+    if n < 0:
+        raise TierckptError(f"--warm-workers must be 0 or more, got {n}")
+    return WarmPolicy(workers=n, imports=imports)
+
+
+def _local_workers(nproc: str) -> int:
+    """torchrun's --nproc-per-node as a count ('gpu', 'auto', 'cpu': as torchrun resolves them)."""
+    try:
+        return max(1, int(nproc))
+    except ValueError:
+        from torch.distributed.run import determine_local_world_size
+
+        try:
+            return max(1, int(determine_local_world_size(nproc)))
+        except ValueError:  # torchrun reports it when the job starts
+            return 1
 
 
 def _validate(args: Namespace) -> None:
@@ -171,7 +211,7 @@ def launch(args: Namespace, opts: Any) -> int:
                       rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
                       local_addr=config.local_addr, duplicate_stdout_filters=config.duplicate_stdout_filters,
-                      duplicate_stderr_filters=config.duplicate_stderr_filters)
+                      duplicate_stderr_filters=config.duplicate_stderr_filters, numa_options=config.numa_options)
     assert config.logs_specs is not None
     agent = TierckptAgent(spec, config.logs_specs, opts, start_method=config.start_method,
                           log_line_prefix_template=config.log_line_prefix_template,

@@ -26,6 +26,14 @@ How the HyperPod run policy is read here (its docs do not define the counting; t
    N = 2 means: fault 1 and 2 restart processes, fault 3 within the window restarts the job.
 5. Otherwise RESTART (process level).
 
+Deadlines (rule 0, before the others): a fault whose reason is ``ActiveDeadline`` or
+``FaultDeadline`` (raised by ``deadline_fault``) FAILs. ``fault_deadline_s``
+(``faultDeadlineSeconds``): the job is "in fault" from a fault until a generation recovers
+(every worker beat, or it ran ``stable_after_s``: a script that never beats recovers only then);
+F FAILs if its restart (after the backoff) would come later than ``fault_deadline_s`` after the
+fault that began the period. ``active_deadline_s`` (``activeDeadlineSeconds``): the job's
+wall-clock limit, counted from its first start, across full job restarts.
+
 Backoff (RESTART and FULL_RESTART): a generation "ran quick" when ``time - generation_started
 < stable_after_s``. The first fault of the history and any fault of a generation that ran
 stable restart at once (delay 0). After that, the k-th consecutive quick fault waits
@@ -46,7 +54,10 @@ from typing import Any
 from tierckpt.errors import ConfigError, ProtocolError
 from tierckpt.launcher.jobspec import RunPolicy
 
-__all__ = ["Action", "Decision", "EscalationPolicy", "Fault"]
+__all__ = ["ACTIVE_DEADLINE", "FAULT_DEADLINE", "Action", "Decision", "EscalationPolicy", "Fault"]
+
+ACTIVE_DEADLINE = "ActiveDeadline"
+FAULT_DEADLINE = "FaultDeadline"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +122,8 @@ class EscalationPolicy:
     stable_after_s: float = 120.0
     crash_loop_limit: int = 3
     no_progress_limit: int = 3
+    fault_deadline_s: float | None = None
+    active_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -129,12 +142,10 @@ class EscalationPolicy:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"escalation.{name} must be a finite number of seconds >= 0, got {value!r}")
-        if self.eval_period_s is not None and not (
-            math.isfinite(self.eval_period_s) and self.eval_period_s > 0
-        ):
-            raise ConfigError(
-                f"escalation.eval_period_s must be more than zero seconds (or None), got {self.eval_period_s!r}"
-            )
+        for name in ("eval_period_s", "fault_deadline_s", "active_deadline_s"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"escalation.{name} must be more than zero seconds (or None), got {value!r}")
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError(
                 f"escalation.backoff_max_s ({self.backoff_max_s}) is below backoff_base_s ({self.backoff_base_s}); raise it"
@@ -153,7 +164,8 @@ class EscalationPolicy:
                 f"unknown escalation setting(s) {', '.join(unknown)}; known: {', '.join(f.name for f in dataclasses.fields(cls))}"
             )
         rsp = rp.restart_policy
-        fields: dict[str, Any] = {"job_max_retry_count": rp.job_max_retry_count}
+        fields: dict[str, Any] = {"job_max_retry_count": rp.job_max_retry_count,
+                                  "fault_deadline_s": rp.fault_deadline_s, "active_deadline_s": rp.active_deadline_s}
         if rsp is not None:
             fields.update(
                 num_restart_before_full_job_restart=rsp.num_restart_before_full_job_restart,
@@ -194,10 +206,17 @@ class EscalationPolicy:
                 "decide needs the fault being decided as the last entry of history; it was empty"
             )
         last = history[-1]
+        if last.reason in (ACTIVE_DEADLINE, FAULT_DEADLINE):
+            what = "activeDeadlineSeconds" if last.reason == ACTIVE_DEADLINE else "faultDeadlineSeconds"
+            return Decision(Action.FAIL, 0.0, f"{what} exceeded",
+                            f"{last.reason}: raise {what} in the job file if the job needs longer")
         fail = self._fail_reason(history, prior_restarts)
         if fail is not None:
             return Decision(Action.FAIL, 0.0, *fail)
         delay = self.backoff_delay(self.consecutive_quick(history), seed)
+        late = self._fault_deadline_passed(history, last.time + delay)
+        if late is not None:
+            return Decision(Action.FAIL, 0.0, "faultDeadlineSeconds exceeded", late)
         n = self.num_restart_before_full_job_restart
         if n is not None:
             period = self.eval_period_s
@@ -224,6 +243,38 @@ class EscalationPolicy:
         done = prior_restarts + len(history)
         of = f" of {self.job_max_retry_count}" if self.job_max_retry_count is not None else ""
         return Decision(Action.RESTART, delay, f"process restart {done}{of}", f"after {last.reason}")
+
+    def fault_period_start(self, history: Sequence[Fault]) -> float | None:
+        """When the job's current fault period began: the fault after which no generation recovered
+        (each later one died before every worker beat and within ``stable_after_s``); None: no fault."""
+        if not history:
+            return None
+        unrecovered = _trailing(history, lambda _, f: not f.first_beat and f.lived_s < self.stable_after_s)
+        return history[max(0, len(history) - 1 - unrecovered)].time
+
+    def _fault_deadline_passed(self, history: Sequence[Fault], restart_at: float) -> str | None:
+        start = self.fault_period_start(history)
+        limit = self.fault_deadline_s
+        if limit is None or start is None or restart_at - start <= limit:
+            return None
+        return (f"the next restart would come {restart_at - start:.1f}s into the fault period (last fault: "
+                f"{history[-1].reason}), past faultDeadlineSeconds ({limit:g}); fix the fault or raise it")
+
+    def deadline_fault(self, now: float, *, job_started: float, history: Sequence[Fault],
+                       recovered: bool) -> tuple[str, str] | None:
+        """(reason, detail) when a deadline passed at ``now`` (wall clock): the job's
+        ``active_deadline_s`` since ``job_started``, or ``fault_deadline_s`` since the current fault
+        period began while the job has not ``recovered`` (every worker of the generation beat, or
+        it ran ``stable_after_s``). Called by every agent at each poll; the fault it claims FAILs."""
+        if self.active_deadline_s is not None and now - job_started >= self.active_deadline_s:
+            return ACTIVE_DEADLINE, (f"the job ran {now - job_started:.1f}s since its first start, "
+                                     f"activeDeadlineSeconds is {self.active_deadline_s:g}")
+        start = self.fault_period_start(history)
+        if self.fault_deadline_s is not None and not recovered and start is not None \
+                and now - start >= self.fault_deadline_s:
+            return FAULT_DEADLINE, (f"not recovered {now - start:.1f}s after the fault ({history[-1].reason}); "
+                                    f"faultDeadlineSeconds is {self.fault_deadline_s:g}")
+        return None
 
     def _fail_reason(self, history: Sequence[Fault], prior_restarts: int) -> tuple[str, str] | None:
         last = history[-1]

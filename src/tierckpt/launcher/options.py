@@ -8,6 +8,7 @@ from typing import Any
 from tierckpt.launcher.escalation import EscalationPolicy
 from tierckpt.launcher.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
+from tierckpt.launcher.warm import WarmPolicy
 
 __all__ = ["FULL_RESTART_EXIT", "RunOptions"]
 
@@ -30,6 +31,7 @@ class RunOptions:
     node_timeout_s                         an agent silent this long is a lost node
     stop_grace_s                           SIGTERM grace before SIGKILL when a fault stops workers
     agent                                  a node agent to host (None: none, or one runs already)
+    warm                                   standby interpreters for warm (re)starts (0: off)
     """
 
     namespace: str | None = None
@@ -43,4 +45,5 @@ class RunOptions:
     node_timeout_s: float = 10.0
     stop_grace_s: float = 0.0
     liveness_interval_s: float = 0.5
+    warm: WarmPolicy = field(default_factory=WarmPolicy)
     agent: Any = None  # tierckpt.agent.AgentConfig: host a node agent (replication, budget, flush)

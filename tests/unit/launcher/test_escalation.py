@@ -414,3 +414,62 @@ def test_policy_validation(fields: dict[str, Any], match: str) -> None:
 
 def test_fault_lived() -> None:
     assert fault(0, lived=42.5).lived_s == 42.5
+
+
+# --- faultDeadlineSeconds / activeDeadlineSeconds ----------------------------------------------
+
+
+def test_deadlines_come_from_the_run_policy() -> None:
+    policy = EscalationPolicy.from_run_policy(RunPolicy(fault_deadline_s=300.0, active_deadline_s=86400.0))
+    assert (policy.fault_deadline_s, policy.active_deadline_s) == (300.0, 86400.0)
+    for name in ("fault_deadline_s", "active_deadline_s"):
+        with pytest.raises(ConfigError, match=f"escalation.{name} must be more than zero"):
+            EscalationPolicy(**{name: 0.0})
+
+
+def test_a_deadline_fault_fails_the_job() -> None:
+    policy = EscalationPolicy()
+    for reason, field in (("ActiveDeadline", "activeDeadlineSeconds"), ("FaultDeadline", "faultDeadlineSeconds")):
+        decision = policy.decide([fault(0, reason=reason)])
+        assert decision.action is Action.FAIL and decision.reason == f"{field} exceeded"
+        assert field in decision.detail
+
+
+def test_fault_period_starts_at_the_fault_after_which_nothing_recovered() -> None:
+    policy = EscalationPolicy(stable_after_s=120.0)
+    healthy = fault(0, time=T0)  # its generation had beaten: the period starts here
+    died1 = fault(1, time=T0 + 5, lived=3.0, first_beat=False)
+    died2 = fault(2, time=T0 + 11, lived=3.0, first_beat=False)
+    assert policy.fault_period_start([]) is None
+    assert policy.fault_period_start([healthy]) == T0
+    assert policy.fault_period_start([healthy, died1, died2]) == T0
+    recovered = fault(3, time=T0 + 500, lived=400.0, first_beat=False)  # never beat, but ran stably
+    assert policy.fault_period_start([healthy, died1, died2, recovered]) == T0 + 500
+    beat = fault(3, time=T0 + 20, lived=5.0, first_beat=True)  # beat: recovered, however short
+    assert policy.fault_period_start([healthy, died1, beat]) == T0 + 20
+
+
+def test_fault_deadline_fails_a_restart_that_would_come_too_late() -> None:
+    policy = EscalationPolicy(fault_deadline_s=10.0, crash_loop_limit=0, **NO_JITTER)
+    history = [fault(0, time=T0), fault(1, time=T0 + 4, lived=2.0, first_beat=False)]
+    assert policy.decide(history).action is Action.RESTART  # backoff 1 s: restart at +5 s
+    history.append(fault(2, time=T0 + 8.5, lived=2.0, first_beat=False))  # backoff 2 s: +10.5 s
+    decision = policy.decide(history)
+    assert decision.action is Action.FAIL and decision.reason == "faultDeadlineSeconds exceeded"
+    assert "10.5s into the fault period" in decision.detail
+    # a recovered generation starts a new period: the same timing restarts
+    history[1] = fault(1, time=T0 + 4, lived=2.0, first_beat=True)
+    assert policy.decide(history).action is Action.RESTART
+
+
+def test_deadline_fault_while_running() -> None:
+    policy = EscalationPolicy(fault_deadline_s=30.0, active_deadline_s=3600.0)
+    history = [fault(0, time=T0)]
+    assert policy.deadline_fault(T0 + 29, job_started=T0 - 100, history=history, recovered=False) is None
+    reason, detail = policy.deadline_fault(T0 + 30, job_started=T0 - 100, history=history, recovered=False) or ("", "")
+    assert reason == "FaultDeadline" and "faultDeadlineSeconds is 30" in detail
+    assert policy.deadline_fault(T0 + 30, job_started=T0 - 100, history=history, recovered=True) is None
+    assert policy.deadline_fault(T0 + 30, job_started=T0 - 100, history=[], recovered=False) is None
+    reason, detail = policy.deadline_fault(T0 + 3500, job_started=T0 - 100, history=[], recovered=True) or ("", "")
+    assert reason == "ActiveDeadline" and "activeDeadlineSeconds is 3600" in detail
+    assert EscalationPolicy().deadline_fault(T0 + 1e9, job_started=T0, history=history, recovered=False) is None

@@ -147,3 +147,24 @@ def test_liveness_reports_a_silent_agent(store: dist.TCPStore) -> None:  # type:
         time.sleep(0.02)
     assert a.lost() == [1]
     a.close()
+
+
+def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
+    import signal
+    import subprocess
+
+    from tierckpt.launcher.wake import Waker
+
+    before = signal.getsignal(signal.SIGCHLD)
+    waker = Waker()
+    try:
+        assert waker.wait(0.05) is False  # nothing happened: the full timeout
+        child = subprocess.Popen(["true"])
+        assert waker.wait(30) is True, "a child's exit did not end the wait"
+        child.wait()
+        waker.wait(0)  # drain a second SIGCHLD, if any
+        waker.notify()
+        assert waker.wait(30) is True
+    finally:
+        waker.close()
+    assert signal.getsignal(signal.SIGCHLD) == before

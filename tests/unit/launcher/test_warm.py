@@ -1,0 +1,154 @@
+"""Standby interpreters (``tierckpt.launcher.warm`` / ``standby``) on real processes, without an agent.
+
+A standby becomes the worker it is handed: output on the given descriptors, the environment,
+argv and cwd of the rank, the script's exit code, torch imported and CUDA untouched. A stale
+one (a module it imported changed on disk) runs the command cold in place; a dead one is
+passed over for a cold start; one whose agent went away exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tierckpt.launcher.warm import Standby, StandbyPool, WarmPolicy, WarmSubprocessContext, warmable
+
+SCRIPT = """
+import json, os, sys
+torch = sys.modules.get("torch")
+print(json.dumps({"argv": sys.argv, "cwd": os.getcwd(), "pid": os.getpid(), "name": __name__,
+                  "warm": os.environ.get("TIERCKPT_WARM"), "rank": os.environ.get("RANK"),
+                  "torch_preloaded": torch is not None,
+                  "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized())}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(tmp), os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, PYTHONPATH=path)
+
+
+def _wait_ready(sb: Standby, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not sb.ready():
+        assert sb.alive(), f"standby exited with {sb.proc.returncode}"
+        assert time.monotonic() < deadline, "standby never finished its imports"
+        time.sleep(0.05)
+
+
+def _hand(sb: Standby, tmp: Path, script: Path, code: int, extra: dict[str, str]) -> tuple[dict[str, object], str]:
+    out, err = tmp / "out.txt", tmp / "err.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        sb.hand_over(("-u", str(script), str(code)), {**sb.env, **extra}, fo.fileno(), fe.fileno())
+    assert sb.proc.wait(timeout=120) == code
+    return json.loads(out.read_text().splitlines()[-1]), err.read_text()
+
+
+def test_warmable_commands() -> None:
+    py = sys.executable
+    assert warmable(py, ("-u", "-m", "pkg.train", "--lr", "1"))
+    assert warmable(py, ("-u", "train.py"))
+    assert warmable("/usr/bin/python3.11", ("-u", "train.py"))
+    assert not warmable(py, ("-u", "-m"))  # no module
+    assert not warmable(py, ("-u", "-X", "dev", "train.py"))  # interpreter flags: cold
+    assert not warmable(py, ("train.py",))  # no -u: not torchrun's command line
+    assert not warmable("/opt/job/train.sh", ("-u", "x.py"))  # --no-python
+
+
+@pytest.mark.slow
+def test_standby_becomes_the_worker(tmp_path: Path) -> None:
+    """Also: a warm interpreter never initialises CUDA (torch preloaded, CUDA untouched)."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    sb = Standby(sys.executable, (), _env(tmp_path))
+    _wait_ready(sb)
+    pid = sb.pid
+    got, err = _hand(sb, tmp_path, script, 7, {"RANK": "3"})
+    assert got == {"argv": [str(script), "7"], "cwd": os.getcwd(), "pid": pid, "name": "__main__", "warm": "1",
+                   "rank": "3", "torch_preloaded": True, "cuda_initialized": False}
+    assert err.strip() == "to stderr"
+
+
+@pytest.mark.slow
+def test_stale_standby_runs_the_command_cold_in_place(tmp_path: Path) -> None:
+    (tmp_path / "usermod.py").write_text("VALUE = 1\n")
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    sb = Standby(sys.executable, ("usermod",), _env(tmp_path))
+    _wait_ready(sb)
+    st = os.stat(tmp_path / "usermod.py")
+    os.utime(tmp_path / "usermod.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the code changed
+    pid = sb.pid
+    got, err = _hand(sb, tmp_path, script, 0, {"RANK": "0"})
+    assert got["pid"] == pid and got["warm"] == "0" and got["torch_preloaded"] is False  # a fresh interpreter
+    assert "usermod.py changed" in err
+
+
+@pytest.mark.slow
+def test_dead_standby_falls_back_to_a_cold_start(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT)
+    pool = StandbyPool(WarmPolicy(workers=1), sys.executable, _env(tmp_path))
+    pool.fill()
+    (sb,) = pool._idle
+    os.killpg(sb.pid, 9)
+    sb.proc.wait(timeout=30)
+    ctx = WarmSubprocessContext(pool=pool, name="t", entrypoint=sys.executable, args={0: ("-u", str(script), "0")},
+                                envs={0: {"RANK": "0"}},
+                                logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.ALL))
+    try:
+        ctx.start()
+        assert ctx.warm_ranks == []
+        result = None
+        deadline = time.monotonic() + 120
+        while result is None and time.monotonic() < deadline:
+            result = ctx.wait(timeout=1)
+        assert result is not None and not result.is_failed()
+        got = json.loads(Path(ctx.stdouts[0]).read_text().splitlines()[-1])
+        assert got["warm"] is None and got["pid"] != sb.pid
+    finally:
+        ctx.close()
+    assert pool.died == [(sb.pid, -9)]  # noticed and dropped; the agent reports it and starts a new one
+    try:
+        assert pool.short and pool.fill() == 1 and not pool.short
+    finally:
+        pool.close()
+
+
+@pytest.mark.slow
+def test_standby_exits_when_its_agent_goes_away(tmp_path: Path) -> None:
+    sb = Standby(sys.executable, (), _env(tmp_path))
+    sb.sock.close()  # what the agent's death does to its end
+    assert sb.proc.wait(timeout=120) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, workers, imports",
+    [([], 2, ()), (["--warm-workers", "0"], 0, ()), (["--no-warm"], 0, ()), (["--warm-workers", "5"], 5, ()),
+     (["--warm-imports", "transformers, mypkg.models"], 2, ("transformers", "mypkg.models"))],
+)
+def test_run_options(argv: list[str], workers: int, imports: tuple[str, ...]) -> None:
+    from tierckpt.launcher.cli import _options, build_parser
+
+    args = build_parser().parse_args(["--nproc-per-node", "2", *argv, "train.py"])
+    assert _options(args).warm == WarmPolicy(workers=workers, imports=imports)
+
+
+@pytest.mark.parametrize("argv, match", [(["--warm-workers", "many"], "--warm-workers must be 'auto' or a count"),
+                                         (["--warm-workers", "-1"], "--warm-workers must be 0 or more"),
+                                         (["--warm-imports", "a b"], "'a b' is not a module name")])
+def test_bad_run_options(argv: list[str], match: str) -> None:
+    from tierckpt.errors import TierckptError
+    from tierckpt.launcher.cli import _options, build_parser
+
+    with pytest.raises(TierckptError, match=match):
+        _options(build_parser().parse_args([*argv, "train.py"]))
