@@ -27,6 +27,7 @@ Trainers find the agent by its socket in their ``memory_dir``; nothing else is c
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from tierckpt.agent.config import AgentConfig
@@ -52,6 +53,10 @@ class AgentHandle:
         from tierckpt.agent.drain import flush
 
         return flush(self._agent, namespace)
+
+    def set_peers(self, peers: Sequence[tuple[str, int]]) -> None:
+        """Add peers found at run time (the rendezvous store under ``tierckpt run``) to ``--peers``."""
+        self._agent.set_peers(peers)
 
     def tick(self) -> None:
         """Run one replication and budget round now (tests; the agent also runs them itself)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +129,18 @@ class Agent:
         self.drain_lag = {ns: drain_lag(self, ns, known) for ns in self.store.namespaces()}
         self.metrics.drain_lag.set(sum(int(v.get("lag_steps", 0)) for v in self.drain_lag.values()))
         return self.drain_lag
+
+    def set_peers(self, discovered: Sequence[tuple[str, int]]) -> None:
+        """Peers found at run time (``tierckpt run`` publishes every hosted agent's address in the
+        rendezvous store): added to the configured ``--peers``; the next round contacts them."""
+        own = {self.address, ("127.0.0.1", self.address[1])}
+        with self._lock:
+            merged = tuple(dict.fromkeys((*self.config.peers, *(a for a in discovered if a not in own))))
+            if merged == self.config.peers:
+                return
+            self.config = replace(self.config, peers=merged)
+            self._peers_checked = 0.0
+        self._wake.set()
 
     def _refresh_peers(self) -> None:
         self._peers_checked = time.monotonic()

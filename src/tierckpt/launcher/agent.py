@@ -69,6 +69,8 @@ class TierckptAgent(LocalElasticAgent):
         self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
         self._calibrated_reported = False
         self._node_agent: Any = None
+        self._peers_next = 0.0  # when to look for other nodes' agents in the store next
+        self._peers_published: tuple[int, int] | None = None  # (node, nnodes) last published
         self._pool: StandbyPool | None = None
         self.warm_ranks: list[int] = []
         self._died_seen = 0
@@ -112,6 +114,8 @@ class TierckptAgent(LocalElasticAgent):
                                       interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
             self._liveness.start()
         self._liveness.reset(self.node, list(range(self.nnodes)))
+        self._peers_next = 0.0  # a new round: publish the node agent's address again
+        self._peers_published = None
 
     def _master_for(self, generation: int) -> tuple[str, int]:
         wg = self._worker_group
@@ -314,6 +318,31 @@ class TierckptAgent(LocalElasticAgent):
         self.events.emit("agent", generation=self.generation, address=list(self._node_agent.address),
                          node_id=self._node_agent.node_id, replicas=cfg.replicas)
 
+    def _discover_peers(self) -> None:
+        """Publish the hosted node agent's address in the rendezvous store and hand it the others'.
+
+        Rate-limited to once a second until every node's agent is known (again after a new
+        membership), so ``--replicas`` needs no ``--peers`` list under ``tierckpt run``.
+        """
+        agent, ctl = self._node_agent, self._ctl
+        if agent is None or ctl is None or time.monotonic() < self._peers_next:
+            return
+        self._peers_next = time.monotonic() + 1.0
+        wg = self._worker_group
+        host, port = agent.address
+        if host in ("", "0.0.0.0", "::"):
+            host = wg.spec.local_addr or _local_address(str(wg.master_addr))
+        try:
+            if self._peers_published != (self.node, self.nnodes):
+                ctl.publish_agent(self.node, host, port)
+                self._peers_published = (self.node, self.nnodes)
+            found = [a for a in ctl.agents(self.nnodes) if a != (host, port)]
+        except _store_errors():
+            return  # the store's host is gone: the liveness check reports it
+        if len(found) >= self.nnodes - 1:
+            self._peers_next = float("inf")  # all known; a new membership publishes again
+        agent.set_peers(found)
+
     def _loop(self) -> RunResult:
         wg = self._worker_group
         spec = wg.spec
@@ -331,6 +360,7 @@ class TierckptAgent(LocalElasticAgent):
             result = self._monitor_workers(wg)
             wg.state = result.state
             self._maybe_refill()
+            self._discover_peers()
             if result.state == WorkerState.SUCCEEDED:
                 assert self._ctl is not None
                 self._ctl.mark_done(self.node)

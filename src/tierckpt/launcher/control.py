@@ -122,6 +122,20 @@ class JobControl:
     def set_progress(self, generation: int, node: int, step: int) -> None:
         self.store.set(f"{_P}progress/{generation}/{node}", str(step).encode())
 
+    def publish_agent(self, node: int, host: str, port: int) -> None:
+        """This node's hosted node agent listens on ``host:port`` (peer discovery)."""
+        self.store.set(f"{_P}agent/{node}", f"{host}:{port}".encode())
+
+    def agents(self, nnodes: int) -> list[tuple[str, int]]:
+        """The node agents published so far by nodes ``0 .. nnodes-1`` (never blocks)."""
+        found = []
+        for node in range(nnodes):
+            key = f"{_P}agent/{node}"
+            if self.store.check([key]):
+                host, _, port = self.store.get(key).decode().rpartition(":")
+                found.append((host, int(port)))
+        return found
+
     def mark_done(self, node: int) -> None:
         self.store.set(f"{_P}done/{node}", b"1")
 
