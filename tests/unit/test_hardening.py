@@ -171,11 +171,10 @@ def test_private_torch_names_are_checked_and_the_torch_is_one_we_checked() -> No
     assert all(flat[k] is fb_flat[k] for k in flat)
 
 
-def test_no_assert_statements_in_hardened_modules() -> None:
-    """``assert`` vanishes under ``python -O``: runtime checks in these files raise typed errors."""
-    files = [SRC / n for n in ("errors.py", "config.py", "layout.py", "localmode.py", "runtime.py", "guard.py",
-                              "_torch_compat.py", "dcp/writer.py", "dcp/node_commit.py")]
-    files += sorted((SRC / "compat").glob("*.py"))
+def test_no_assert_statements_in_library_code() -> None:
+    """``assert`` vanishes under ``python -O``: runtime checks anywhere in the package raise typed errors."""
+    files = sorted(SRC.rglob("*.py"))
+    assert len(files) > 50
     found = [f"{f.relative_to(SRC)}:{node.lineno}" for f in files
              for node in ast.walk(ast.parse(f.read_text())) if isinstance(node, ast.Assert)]
     assert found == []

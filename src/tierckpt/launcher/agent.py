@@ -104,7 +104,7 @@ class TierckptAgent(LocalElasticAgent):
         self._ctl = JobControl(job_store)
         st = self._load_state()
         self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
-        self.generation, self.full_restarts = self._ctl.join(
+        self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
         self.events.node = self.node
@@ -117,17 +117,25 @@ class TierckptAgent(LocalElasticAgent):
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
 
+    @property
+    def ctl(self) -> JobControl:
+        """The job's control plane; exists from the first rendezvous round (``_join``) on."""
+        if self._ctl is None:
+            from tierckpt.errors import ProtocolError
+
+            raise ProtocolError("the launcher used its control plane before the first rendezvous round")
+        return self._ctl
+
     def _master_for(self, generation: int) -> tuple[str, int]:
         wg = self._worker_group
-        assert self._ctl is not None
         if self.node == 0:
             addr = wg.spec.local_addr or _local_address(str(wg.master_addr))
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = int(s.getsockname()[1])
-            self._ctl.publish_master(generation, addr, port)
+            self.ctl.publish_master(generation, addr, port)
             return addr, port
-        return self._ctl.master(generation, timeout=max(60.0, self.opts.node_timeout_s))
+        return self.ctl.master(generation, timeout=max(60.0, self.opts.node_timeout_s))
 
     # ---- workers ----
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -362,21 +370,19 @@ class TierckptAgent(LocalElasticAgent):
             self._maybe_refill()
             self._discover_peers()
             if result.state == WorkerState.SUCCEEDED:
-                assert self._ctl is not None
-                self._ctl.mark_done(self.node)
+                self.ctl.mark_done(self.node)
                 self._exit_barrier()
                 self.events.emit("exit", generation=self.generation, code=0)
                 return result
             progress = self._progress()
             if progress is not None:
                 self.events.step.set(progress)
-            assert self._ctl is not None
-            claimed = self._ctl.claimed(self.generation)
+            claimed = self.ctl.claimed(self.generation)
             if claimed is None:
                 local = self._detect(result)
                 if local is None:
                     continue
-                claimed = self._ctl.claim(self.generation, local)
+                claimed = self.ctl.claim(self.generation, local)
             outcome = self._recover(claimed)
             if outcome is not None:
                 return outcome
@@ -390,7 +396,6 @@ class TierckptAgent(LocalElasticAgent):
     def _recover(self, fault: dict[str, Any]) -> RunResult | None:
         """Stop, agree, decide; restart in place (None) or end the run (a RunResult)."""
         wg = self._worker_group
-        assert self._ctl is not None
         t_detect = time.monotonic()
         g = self.generation
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
@@ -398,12 +403,12 @@ class TierckptAgent(LocalElasticAgent):
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
-        self._ctl.stopped(g)
-        history = self._history = [_fault_of(r) for r in self._ctl.history(g)]
+        self.ctl.stopped(g)
+        history = self._history = [_fault_of(r) for r in self.ctl.history(g)]
         decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
                                                seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
         all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
-            self._ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
+            self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
         if decision.action != Action.RESTART:
             return self._finish(decision, all_here)
         self._save_state(g + 1, self.full_restarts)

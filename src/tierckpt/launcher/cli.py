@@ -20,7 +20,7 @@ from argparse import ArgumentParser, Namespace
 from collections.abc import Sequence
 from typing import Any
 
-from tierckpt.errors import TierckptError
+from tierckpt.errors import ConfigError, TierckptError
 
 __all__ = ["build_parser", "main"]
 
@@ -212,7 +212,8 @@ def launch(args: Namespace, opts: Any) -> int:
                       monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
                       local_addr=config.local_addr, duplicate_stdout_filters=config.duplicate_stdout_filters,
                       duplicate_stderr_filters=config.duplicate_stderr_filters, numa_options=config.numa_options)
-    assert config.logs_specs is not None
+    if config.logs_specs is None:  # torch's config_from_args always sets it; a changed torch would not
+        raise ConfigError("torch's launcher config came without logs_specs (an unsupported torch version?)")
     agent = TierckptAgent(spec, config.logs_specs, opts, start_method=config.start_method,
                           log_line_prefix_template=config.log_line_prefix_template,
                           shutdown_timeout=int(config.shutdown_timeout or 30))
