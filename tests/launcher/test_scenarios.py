@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -21,20 +20,6 @@ from tests.launcher.cluster import NS, LocalJob
 pytestmark = pytest.mark.slow
 
 RANKS = (0, 1)
-
-
-@pytest.fixture
-def make_job(tmp_path: Path, shm: Callable[[str], str]) -> Iterator[Callable[..., LocalJob]]:
-    jobs: list[LocalJob] = []
-
-    def make(**kw: Any) -> LocalJob:
-        job = LocalJob(tmp_path / f"job{len(jobs)}", shm, **kw)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
 
 
 def saved_digests(job: LocalJob, rank: int, below_generation: int) -> dict[int, str]:

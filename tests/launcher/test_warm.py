@@ -10,8 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,20 +19,6 @@ from tests.launcher.cluster import LocalJob
 from tests.launcher.test_scenarios import RANKS, assert_recovered
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def make_job(tmp_path: Path, shm: Callable[[str], str]) -> Iterator[Callable[..., LocalJob]]:
-    jobs: list[LocalJob] = []
-
-    def make(**kw: Any) -> LocalJob:
-        job = LocalJob(tmp_path / f"job{len(jobs)}", shm, **kw)
-        jobs.append(job)
-        return job
-
-    yield make
-    for job in jobs:
-        job.close()
 
 
 def _starts(job: LocalJob, rank: int, generation: int) -> list[dict[str, Any]]:
