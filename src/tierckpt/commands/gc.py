@@ -22,7 +22,6 @@ import argparse
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -100,7 +99,7 @@ def _find_local(tier: LocalTier, min_age: float) -> list[Finding]:
     for entry in _scan(tier.ns_dir):
         if layout.parse_step_dir(entry.name) is not None and not os.path.exists(os.path.join(entry.path, layout.MARKER)):
             out.append(Finding(tier.name, "torn step", entry.path, _du(entry.path),
-                               remove=partial(_remove_torn, tier, Path(entry.path))))
+                               remove=partial(tier._to_trash, Path(entry.path), unless_committed=True)))
     for entry in _scan(tier.ns_dir / layout.STAGING):
         owners = [p.name for p in Path(entry.path).glob(".owner-*")]
         live = [o for o in owners if _owner_alive(o)]
@@ -159,20 +158,6 @@ def _mapped_inodes() -> set[int]:
         except OSError:  # gone, or another user's: its slots are not ours to judge
             continue
     return out
-
-
-def _remove_torn(tier: LocalTier, path: Path) -> None:
-    trash = tier.ns_dir / layout.TRASH
-    trash.mkdir(parents=True, exist_ok=True)
-    moved = trash / f"{path.name}.gc-{uuid.uuid4().hex[:8]}"
-    try:
-        os.rename(path, moved)
-    except FileNotFoundError:
-        return
-    if (moved / layout.MARKER).exists():  # a commit landed between the scan and the rename: put it back
-        os.rename(moved, path)
-        return
-    shutil.rmtree(moved, ignore_errors=True)
 
 
 def _remove_path(path: str) -> None:

@@ -8,6 +8,7 @@ either the old state or the new committed step, never a torn one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import mmap
@@ -15,7 +16,7 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 
 from tierckpt import layout
@@ -78,16 +79,22 @@ class LocalTier:
             out.append(StepListing(step=step, committed=committed, files=files))
         return sorted(out, key=lambda s: s.step)
 
-    def read_file(self, step: int, name: str) -> bytes:
-        path = self.step_dir(step) / name
+    @contextlib.contextmanager
+    def _reading(self, path: Path, step: int) -> Iterator[None]:
+        """A missing file is CheckpointNotFoundError, any other OSError a StorageError (tier, path, step)."""
         try:
-            return path.read_bytes()
+            yield
         except FileNotFoundError as exc:
             raise CheckpointNotFoundError(
                 f"{path} does not exist", tier=self.name, path=str(path), step=step
             ) from exc
         except OSError as exc:
             raise self._error("read", path, exc, step) from exc
+
+    def read_file(self, step: int, name: str) -> bytes:
+        path = self.step_dir(step) / name
+        with self._reading(path, step):
+            return path.read_bytes()
 
     def read_range(self, step: int, name: str, offset: int, length: int) -> memoryview:
         path = self.step_dir(step) / name
@@ -135,14 +142,8 @@ class LocalTier:
     def open_reader(self, step: int, name: str) -> LocalFileReader:
         """The file open for ``read_into``: plain reads, no mapping (see LocalFileReader)."""
         path = self.step_dir(step) / name
-        try:
+        with self._reading(path, step):
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-        except FileNotFoundError as exc:
-            raise CheckpointNotFoundError(
-                f"{path} does not exist", tier=self.name, path=str(path), step=step
-            ) from exc
-        except OSError as exc:
-            raise self._error("read", path, exc, step) from exc
         return LocalFileReader(fd, path, self.name, step)
 
     # -- writes -------------------------------------------------------------------
@@ -274,7 +275,12 @@ class LocalTier:
         except OSError as exc:
             raise self._error("list", path, exc) from exc
 
-    def _to_trash(self, path: Path) -> None:
+    def _to_trash(self, path: Path, *, unless_committed: bool = False) -> None:
+        """Move ``path`` out of sight (one rename), then delete it; gone already: nothing to do.
+
+        ``unless_committed``: a step directory whose marker appeared between the caller's look and
+        the rename (a commit that just landed) is put back instead.
+        """
         trash = self.ns_dir / layout.TRASH
         trash.mkdir(parents=True, exist_ok=True)
         target = trash / f"{path.name}.{uuid.uuid4().hex[:8]}"
@@ -282,6 +288,9 @@ class LocalTier:
             os.rename(path, target)
         except FileNotFoundError:
             return  # someone else removed it first
+        if unless_committed and (target / layout.MARKER).exists():
+            os.rename(target, path)
+            return
         shutil.rmtree(target, ignore_errors=True)
 
     def _error(self, what: str, path: Path, exc: OSError, step: int | None = None) -> StorageError:
