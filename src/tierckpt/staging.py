@@ -29,6 +29,7 @@ import torch
 
 from tierckpt import layout
 from tierckpt.errors import MemoryBudgetError, StorageError
+from tierckpt.tiers.local import pid_alive
 
 __all__ = ["Slot", "SlotPool"]
 
@@ -266,7 +267,7 @@ class SlotPool:
         for entry in os.scandir(self.dir):
             if entry.name.startswith(_PREALLOC):
                 pid = entry.name[len(_PREALLOC):].split("-", 1)[0]
-                if pid.isdigit() and not _alive(int(pid)):
+                if pid.isdigit() and not pid_alive(int(pid)):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(entry.path)
 
@@ -383,16 +384,6 @@ class SlotPool:
                 ) from exc
             slot.size = nbytes
             slot.map()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _mib(n: int) -> str:

@@ -42,8 +42,11 @@ from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
 from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import read_beat
+from tierckpt.tiers.local import pid_alive
 
 __all__ = ["TierckptAgent"]
+
+_BEAT_PREFIX = "tierckpt-beats-"  # <tmpfs>/tierckpt-beats-<agent pid>-<random>/beat_<local rank>
 
 class TierckptAgent(LocalElasticAgent):
     """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
@@ -62,8 +65,9 @@ class TierckptAgent(LocalElasticAgent):
         self._ctl: JobControl | None = None
         self._liveness: Liveness | None = None
         self._waker = Waker()
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self._beat_dir = tempfile.mkdtemp(prefix="tierckpt-run-", dir=shm)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        _remove_dead_beat_dirs(shm)
+        self._beat_dir = tempfile.mkdtemp(prefix=f"{_BEAT_PREFIX}{os.getpid()}-", dir=shm)
         self._trackers: dict[int, BeatTracker] = {}
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
         self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
@@ -510,6 +514,15 @@ def _fault_of(rec: dict[str, Any]) -> Fault:
     return Fault(generation=int(rec["generation"]), time=float(rec["time"]),
                  generation_started=float(rec["generation_started"]), reason=str(rec["reason"]),
                  first_beat=bool(rec["first_beat"]), step=rec.get("step"), resumed_step=rec.get("resumed_step"))
+
+
+def _remove_dead_beat_dirs(parent: str) -> None:
+    """Heartbeat folders of agents that died without cleaning up (SIGKILL, a lost machine)."""
+    with os.scandir(parent) as entries:
+        for entry in entries:
+            pid = entry.name[len(_BEAT_PREFIX):].split("-", 1)[0] if entry.name.startswith(_BEAT_PREFIX) else ""
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
 
 
 def _local_address(rdzv_host: str) -> str:

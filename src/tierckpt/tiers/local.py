@@ -23,7 +23,7 @@ from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, StorageError
 from tierckpt.tiers.base import Hasher, Source, StepListing
 
-__all__ = ["LocalFileReader", "LocalTier"]
+__all__ = ["LocalFileReader", "LocalTier", "pid_alive"]
 
 _HOST = socket.gethostname()
 #: bytes per read(): the piece is hashed right after the kernel copied it, still in the cache
@@ -381,17 +381,22 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host exists (one that is not ours to signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _owner_alive(owner_name: str) -> bool:
     host, _, pid = owner_name[len(".owner-") :].rpartition("-")
     if host != _HOST:
         return True  # cannot tell from here: leave it to that host
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
-        return True
-    return True
+    return not pid.isdigit() or pid_alive(int(pid))
 
 
 def _replace_link(source: Path, dest: Path) -> None:
