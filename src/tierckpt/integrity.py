@@ -22,7 +22,7 @@ from tierckpt.tiers.base import Hasher, RangeReader
 
 __all__ = [
     "CopyReport", "MappedReader", "fetch_file", "hash_record", "new_buffer", "open_reader", "read_record", "sealed_manifest",
-    "verified_metadata", "verify_copy", "verify_items",
+    "sealed_manifest_bytes", "verified_metadata", "verify_copy", "verify_items",
 ]
 
 _PIECE = 1 << 20
@@ -31,12 +31,20 @@ _MAP_AT_LEAST = 1 << 20
 
 def sealed_manifest(tier: Tier, step: int, namespace: str) -> layout.Manifest:
     """The step's manifest after checking that the marker seals it; IntegrityError if not."""
-    where = tier.location(step)
     mf_raw = tier.read_file(step, layout.MANIFEST)
-    layout.check_marker(tier.read_file(step, layout.MARKER), mf_raw, where=where)
+    return sealed_manifest_bytes(tier.read_file(step, layout.MARKER), mf_raw, namespace, step, where=tier.location(step))
+
+
+def sealed_manifest_bytes(marker_raw: bytes, mf_raw: bytes, namespace: str, step: int, *,
+                          where: str, save_id: str | None = None) -> layout.Manifest:
+    """``sealed_manifest`` on bytes already read (the node agent's transfers and peer cache);
+    with ``save_id``, the marker and the manifest must both name that save."""
+    sealed_id = layout.check_marker(marker_raw, mf_raw, where=where)
     manifest = layout.Manifest.from_bytes(mf_raw, where=f"{where}/{layout.MANIFEST}")
     if manifest.namespace != namespace or manifest.step != step:
         raise IntegrityError(f"{where}: manifest belongs to {manifest.namespace}/step_{manifest.step}", step=step)
+    if save_id is not None and (sealed_id, manifest.save_id) != (save_id, save_id):
+        raise IntegrityError(f"{where}: the step is save {manifest.save_id}, not {save_id}", step=step)
     return manifest
 
 

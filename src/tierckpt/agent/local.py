@@ -25,6 +25,7 @@ from tierckpt.agent.client import PeerClient, PeerError
 from tierckpt.agent.server import reply_error
 from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
 from tierckpt.errors import IntegrityError, StorageError, TierckptError
+from tierckpt.integrity import sealed_manifest_bytes
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent, Holder
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["handle"]
 
 STATUS_DRAIN_CHECK_S = 5.0
-_SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
-MAX_SMALL = 64 << 20
 
 
 def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -167,7 +166,7 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
             nbytes = (step_dir / name).stat().st_size
             agent.metrics.fetched_bytes.inc(nbytes)
             agent.metrics.fetch_seconds.inc(seconds)
-            if name not in _SMALL:  # the data files are what a restore waits for
+            if name not in p.SMALL_FILES:  # the data files are what a restore waits for
                 agent.last_fetch = {"namespace": ns, "step": step, "name": name, "from": h.node, "bytes": nbytes,
                                     "seconds": round(seconds, 4)}
             return {"ok": True, "holder": h.node, "origin": h.origin, "seconds": seconds}
@@ -248,7 +247,7 @@ def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path) -> 
         return
     client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
     try:
-        client.get_into(ns, h.origin, step, name, dest, max_size=MAX_SMALL if name in _SMALL else p.MAX_FILE)
+        client.get_into(ns, h.origin, step, name, dest, max_size=p.MAX_SMALL if name in p.SMALL_FILES else p.MAX_FILE)
     finally:
         client.close()
 
@@ -280,12 +279,8 @@ def _manifest(agent: Agent, ns: str, step: int, known: list[Holder], errors: lis
 
 
 def _sealed(directory: Path, ns: str, step: int, where: str) -> layout.Manifest:
-    mf_raw = (directory / layout.MANIFEST).read_bytes()
-    layout.check_marker((directory / layout.MARKER).read_bytes(), mf_raw, where=where)
-    mf = layout.Manifest.from_bytes(mf_raw, where=where)
-    if (mf.namespace, mf.step) != (ns, step):
-        raise IntegrityError(f"{where}: the manifest names {mf.namespace}/step_{mf.step}")
-    return mf
+    return sealed_manifest_bytes((directory / layout.MARKER).read_bytes(), (directory / layout.MANIFEST).read_bytes(),
+                                 ns, step, where=where)
 
 
 def _cached_manifest(cache_dir: Path, ns: str, step: int) -> layout.Manifest | None:

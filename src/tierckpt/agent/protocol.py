@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tierckpt import layout
 from tierckpt.config import validate_namespace
 from tierckpt.errors import ConfigError
 
@@ -60,6 +61,8 @@ MAGIC = b"TCK1"
 HEADER = struct.Struct("!4sI")
 MAX_BODY = 1 << 20
 MAX_FILE = 1 << 40
+SMALL_FILES = (layout.METADATA, layout.MANIFEST, layout.MARKER)  # a step's sealed files
+MAX_SMALL = 64 << 20  # most bytes one of them may have
 MAX_FILES = 4096
 _NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FILE_RE = re.compile(r"__[0-9]{1,9}_[0-9]{1,9}\.distcp|\.metadata|manifest\.json|COMMITTED")

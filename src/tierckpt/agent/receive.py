@@ -19,6 +19,7 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent.client import Connection
 from tierckpt.agent.transfer import StreamCheck, verify_file
 from tierckpt.errors import IntegrityError
+from tierckpt.integrity import sealed_manifest_bytes
 from tierckpt.observability import get_logger, throughput
 
 if TYPE_CHECKING:
@@ -27,15 +28,13 @@ if TYPE_CHECKING:
 __all__ = ["receive_replica"]
 
 _log = get_logger("agent")
-_SMALL = (layout.METADATA, layout.MANIFEST, layout.MARKER)
-MAX_SMALL = 64 << 20
 
 
 def receive_replica(agent: Agent, req: p.Put, conn: Connection, peer: str) -> None:
     """Store a replica a peer sends: budget, staging, every item checked, commit (marker last)."""
     if req.origin == agent.node_id or req.origin != peer:
         raise p.ProtocolViolation(f"node {peer} may only send its own steps")
-    if any(n in _SMALL and s > MAX_SMALL for n, s in req.files):
+    if any(n in p.SMALL_FILES and s > p.MAX_SMALL for n, s in req.files):
         raise p.ProtocolViolation("a metadata file larger than 64 MiB")
     if not agent.enforce_budget(req.nbytes):
         raise p.ProtocolViolation(f"no room for {req.nbytes} bytes within the node budget")
@@ -77,9 +76,9 @@ def _receive_files(req: p.Put, conn: Connection, staging: Path) -> dict[str, byt
     problem: IntegrityError | None = None
     unchecked: list[str] = []
     for name, size in req.files:
-        if name in _SMALL:
+        if name in p.SMALL_FILES:
             small[name] = conn._exact(size)
-            if manifest is None and problem is None and set(small) == set(_SMALL):
+            if manifest is None and problem is None and set(small) == set(p.SMALL_FILES):
                 try:
                     manifest = _sealed_manifest(req, small, where)
                 except IntegrityError as exc:
@@ -117,12 +116,10 @@ def _receive_files(req: p.Put, conn: Connection, staging: Path) -> dict[str, byt
     return small
 
 def _sealed_manifest(req: p.Put, small: dict[str, bytes], where: str) -> layout.Manifest:
-    if set(small) != set(_SMALL):
+    if set(small) != set(p.SMALL_FILES):
         raise IntegrityError("a replica needs .metadata, manifest.json and COMMITTED")
-    save_id = layout.check_marker(small[layout.MARKER], small[layout.MANIFEST], where=where)
-    mf = layout.Manifest.from_bytes(small[layout.MANIFEST], where=where)
-    if (mf.namespace, mf.step, mf.save_id, save_id) != (req.namespace, req.step, req.save_id, req.save_id):
-        raise IntegrityError(f"{where}: manifest names {mf.namespace}/step_{mf.step} save {mf.save_id}")
+    mf = sealed_manifest_bytes(small[layout.MARKER], small[layout.MANIFEST], req.namespace, req.step, where=where,
+                               save_id=req.save_id)
     if layout.checksum(small[layout.METADATA]) != mf.metadata_xxh3:
         raise IntegrityError(f"{where}: .metadata fails its checksum")
     return mf
