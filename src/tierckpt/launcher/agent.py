@@ -180,7 +180,7 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("standby", generation=self.generation, ready=sb.pid,
                              import_s=round(sb.ready_after_s or 0.0, 3))
         if pool.short:
-            beaten = bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
+            beaten = self._all_beat()
             if beaten or time.time() - self._gen_started >= self.opts.warm.refill_after_s:
                 started = pool.fill()
                 if started:
@@ -252,7 +252,7 @@ class TierckptAgent(LocalElasticAgent):
         pol = self.opts.escalation
         if pol.active_deadline_s is None and pol.fault_deadline_s is None:
             return None
-        recovered = (bool(self._trackers) and all(t.first_beat for t in self._trackers.values())) or \
+        recovered = self._all_beat() or \
             time.time() - self._gen_started >= pol.stable_after_s
         return pol.deadline_fault(time.time(), job_started=self._job_started, history=self._history,
                                   recovered=recovered)
@@ -267,6 +267,10 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("timeout", generation=self.generation, heartbeat_timeout_s=round(timeout, 3),
                              longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3))
 
+    def _all_beat(self) -> bool:
+        """Every local worker of this generation has sent its first heartbeat."""
+        return bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
+
     def _progress(self) -> int | None:
         steps = [t.step for t in self._trackers.values() if t.step is not None]
         return max(steps) if steps else None
@@ -277,7 +281,7 @@ class TierckptAgent(LocalElasticAgent):
         return {
             "generation": self.generation, "time": time.time(), "generation_started": self._gen_started,
             "reason": reason, "node": self.node if node is None else node, "rank": rank,
-            "detail": detail, "first_beat": bool(self._trackers) and all(t.first_beat for t in self._trackers.values()),
+            "detail": detail, "first_beat": self._all_beat(),
             "step": self._progress(), "resumed_step": self.resumed_step,
             # from the last sign of life to now (None for a crash: its moment is not observed)
             "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),

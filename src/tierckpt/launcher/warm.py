@@ -137,7 +137,6 @@ class StandbyPool:
         self.executable = executable
         self.base_env = base_env
         self._idle: list[Standby] = []
-        self.started_total = 0
         self._reported: set[int] = set()
         self.died: list[tuple[int, int | None]] = []  # (pid, exit code) of standbys dead before use
 
@@ -154,7 +153,6 @@ class StandbyPool:
         while len(self._idle) < self.policy.workers:
             self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env)))
             n += 1
-        self.started_total += n
         return n
 
     def newly_ready(self) -> list[Standby]:
@@ -215,7 +213,6 @@ class WarmSubprocessContext(SubprocessContext):
         super().__init__(**kwargs)
         self.pool = pool
         self.warm_ranks: list[int] = []
-        self.warm_pids: dict[int, float] = {}  # pid -> when its standby started
 
     def _start(self) -> None:
         if self.subprocess_handlers:
@@ -232,7 +229,6 @@ class WarmSubprocessContext(SubprocessContext):
                     handler = _WarmHandler(sb, args, env, self.stdouts[local_rank], self.stderrs[local_rank],
                                            local_rank)
                     self.warm_ranks.append(local_rank)
-                    self.warm_pids[sb.pid] = sb.started
                 except OSError:  # it died meanwhile: cold
                     handler = None
             if handler is None:

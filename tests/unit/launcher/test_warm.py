@@ -12,7 +12,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,12 +64,26 @@ def test_warmable_commands() -> None:
     assert not warmable("/opt/job/train.sh", ("-u", "x.py"))  # --no-python
 
 
+@pytest.fixture
+def standby() -> Iterator[Callable[..., Standby]]:
+    """Standby factory; each is retired (killed with its process group) after the test, pass or fail."""
+    made: list[Standby] = []
+
+    def make(*args: Any) -> Standby:
+        made.append(Standby(*args))
+        return made[-1]
+
+    yield make
+    for sb in made:
+        sb.retire()
+
+
 @pytest.mark.slow
-def test_standby_becomes_the_worker(tmp_path: Path) -> None:
+def test_standby_becomes_the_worker(tmp_path: Path, standby: Callable[..., Standby]) -> None:
     """Also: a warm interpreter never initialises CUDA (torch preloaded, CUDA untouched)."""
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    sb = Standby(sys.executable, (), _env(tmp_path))
+    sb = standby(sys.executable, (), _env(tmp_path))
     _wait_ready(sb)
     pid = sb.pid
     got, err = _hand(sb, tmp_path, script, 7, {"RANK": "3"})
@@ -77,11 +93,11 @@ def test_standby_becomes_the_worker(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_stale_standby_runs_the_command_cold_in_place(tmp_path: Path) -> None:
+def test_stale_standby_runs_the_command_cold_in_place(tmp_path: Path, standby: Callable[..., Standby]) -> None:
     (tmp_path / "usermod.py").write_text("VALUE = 1\n")
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)
-    sb = Standby(sys.executable, ("usermod",), _env(tmp_path))
+    sb = standby(sys.executable, ("usermod",), _env(tmp_path))
     _wait_ready(sb)
     st = os.stat(tmp_path / "usermod.py")
     os.utime(tmp_path / "usermod.py", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # the code changed
@@ -125,8 +141,8 @@ def test_dead_standby_falls_back_to_a_cold_start(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_standby_exits_when_its_agent_goes_away(tmp_path: Path) -> None:
-    sb = Standby(sys.executable, (), _env(tmp_path))
+def test_standby_exits_when_its_agent_goes_away(tmp_path: Path, standby: Callable[..., Standby]) -> None:
+    sb = standby(sys.executable, (), _env(tmp_path))
     sb.sock.close()  # what the agent's death does to its end
     assert sb.proc.wait(timeout=120) == 0
 
