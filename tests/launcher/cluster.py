@@ -25,6 +25,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tierckpt.launcher.warm import kill_if_standby
+
 NS = "scn"
 
 
@@ -162,9 +164,4 @@ class LocalJob:
         # warm workers orphaned by a killed agent: their command line is the standby's, so by pid
         for rank in range(self.nnodes):
             for pid in {e["pid"] for e in self.trace(rank)}:
-                try:
-                    with open(f"/proc/{pid}/cmdline", "rb") as f:
-                        if b"tierckpt.launcher.standby" in f.read():
-                            os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                kill_if_standby(pid)

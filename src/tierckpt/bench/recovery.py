@@ -52,6 +52,7 @@ from types import FrameType
 from typing import Any
 
 from tierckpt.bench.twonode import RANKS, JobTimeout, TwoNodeJob
+from tierckpt.launcher.warm import kill_if_standby
 
 __all__ = ["main"]
 
@@ -84,7 +85,7 @@ class _Job(TwoNodeJob):
         is its standby's, so the search by work directory does not find one orphaned by its agent."""
         super().close()
         for pid in self.pids():
-            _kill_if_standby(pid)
+            kill_if_standby(pid)
 
     def standbys_ready(self) -> bool:
         """Each agent reported a standby whose imports finished after its last (re)start."""
@@ -96,17 +97,6 @@ class _Job(TwoNodeJob):
                                      for e in mine):
                 return False
         return True
-
-
-def _kill_if_standby(pid: int) -> None:
-    """SIGKILL ``pid`` if it is still a (warm worker of a) standby interpreter (not a reused pid)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"tierckpt.launcher.standby" not in f.read():
-                return
-        os.kill(pid, signal.SIGKILL)
-    except (OSError, ProcessLookupError):  # gone already
-        pass
 
 
 def _parser() -> argparse.ArgumentParser:

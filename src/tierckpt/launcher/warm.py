@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import (
 )
 
 __all__ = ["IMPORT_TIME_PREFIXES", "Standby", "StandbyPool", "WarmPolicy", "WarmSubprocessContext", "drain_closers",
-           "warmable"]
+           "kill_if_standby", "warmable"]
 
 #: environment read while Python and torch start: a standby started under other values is not used
 IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_", "HIP_", "ROCR_", "TORCH_")
@@ -127,6 +127,21 @@ class Standby:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:  # D-state: leave it; never wedge the agent
             pass
+
+
+def kill_if_standby(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still a standby interpreter or a warm worker (not a reused pid).
+
+    A warm worker outlives a SIGKILLed agent as a cold one does, and its command line is the
+    standby's, not the script's: harnesses that clean up after killed agents find it by pid.
+    """
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"tierckpt.launcher.standby" not in f.read():
+                return
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # gone already (ProcessLookupError is an OSError)
+        pass
 
 
 class StandbyPool:
