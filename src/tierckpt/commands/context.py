@@ -15,7 +15,7 @@ from typing import Any
 
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig, validate_namespace
-from tierckpt.errors import CheckpointNotFoundError, ConfigError
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
 from tierckpt.tiers import StepListing, Tier, open_durable, open_memory
 
 __all__ = [
@@ -184,6 +184,18 @@ def read_step(tier: Tier, step: int, namespace: str) -> tuple[layout.Manifest, A
     manifest = sealed_manifest(tier, step, namespace)
     metadata = loads_metadata(verified_metadata(tier, manifest), where=f"{tier.location(step)}/{layout.METADATA}")
     return manifest, metadata
+
+
+def read_first(copies: list[Tier], step: int, namespace: str) -> tuple[layout.Manifest, Any, str]:
+    """``read_step`` from the first copy that reads and verifies: (manifest, metadata, tier name)."""
+    errors = []
+    for tier in copies:
+        try:
+            manifest, metadata = read_step(tier, step, namespace)
+            return manifest, metadata, tier.name
+        except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
+            errors.append(f"{tier.name}: {exc}")
+    raise IntegrityError(f"step {step}: no copy has a readable manifest and metadata ({'; '.join(errors)})", step=step)
 
 
 def saved_at(tier: Tier, step: int) -> float | None:

@@ -25,12 +25,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from tierckpt import layout
 from tierckpt.commands.assemble import TensorAssembler, tensor_bytes
-from tierckpt.commands.context import config_from, human, read_step, require_copies, step_arg, tiers_of
+from tierckpt.commands.context import config_from, human, read_first, require_copies, step_arg, tiers_of
 from tierckpt.commands.progress import Progress
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, IntegrityError, StorageError
-from tierckpt.tiers import Tier
+from tierckpt.errors import CheckpointNotFoundError, ConfigError, StorageError
 
 __all__ = ["HELP", "add_arguments", "main", "parse_size"]
 
@@ -70,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     with tiers_of(config) as tiers:
         copies = [t for t, _ in require_copies(config, tiers, args.step)]
-        manifest, metadata, source = _first_readable(copies, args.step, config.namespace)
+        manifest, metadata, source = read_first(copies, args.step, config.namespace)
         wanted, skipped = _select(metadata, args.prefix)
         if not wanted:
             raise CheckpointNotFoundError(f"step {args.step} has no tensors" + (f" under {args.prefix!r}" if args.prefix else ""),
@@ -96,17 +94,6 @@ def _need_safetensors() -> None:
         import safetensors  # noqa: F401
     except ImportError as exc:
         raise ConfigError("export --format safetensors needs the safetensors package: pip install 'tierckpt[export]'") from exc
-
-
-def _first_readable(copies: list[Tier], step: int, namespace: str) -> tuple[layout.Manifest, Any, str]:
-    errors = []
-    for tier in copies:
-        try:
-            manifest, metadata = read_step(tier, step, namespace)
-            return manifest, metadata, tier.name
-        except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
-            errors.append(f"{tier.name}: {exc}")
-    raise IntegrityError(f"step {step}: no copy has a readable manifest and metadata ({'; '.join(errors)})", step=step)
 
 
 def _select(metadata: Any, prefix: str | None) -> tuple[dict[str, str], list[str]]:

@@ -11,17 +11,17 @@ import json
 import time
 from typing import Any
 
+from tierckpt.commands.assemble import tensor_bytes
 from tierckpt.commands.context import (
     config_from,
     copies_of,
     human,
-    read_step,
+    read_first,
     require_copies,
     saved_at,
     step_arg,
     tiers_of,
 )
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
 
 __all__ = ["HELP", "add_arguments", "main", "describe"]
 
@@ -37,20 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     config = config_from(args)
     with tiers_of(config) as tiers:
-        copies = require_copies(config, tiers, args.step)
-        errors = []
-        for tier, _ in copies:
-            try:
-                manifest, metadata = read_step(tier, args.step, config.namespace)
-                break
-            except (IntegrityError, StorageError, CheckpointNotFoundError) as exc:
-                errors.append(f"{tier.name}: {exc}")
-        else:
-            raise IntegrityError(f"step {args.step}: no copy has a readable manifest and metadata ({'; '.join(errors)})",
-                                 step=args.step)
+        listed = copies_of(tiers, args.step, committed_only=False)  # one listing per tier
+        committed = [t for t, s in listed if s.committed] or [t for t, _ in require_copies(config, tiers, args.step)]
+        manifest, metadata, _ = read_first(committed, args.step, config.namespace)
         where = [{"tier": t.name, "state": "committed" if s.committed else "partial", "location": t.location(args.step),
                   "data_files": sum(1 for n in s.files if n.endswith(".distcp")), "bytes": sum(s.files.values()), "saved_at": saved_at(t, args.step)}
-                 for t, s in copies_of(tiers, args.step, committed_only=False)]
+                 for t, s in listed]
     info = describe(metadata)
     info.update(namespace=config.namespace, step=args.step, save_id=manifest.save_id,
                 world_size=manifest.world_size, copies=where)
@@ -71,12 +63,9 @@ def describe(metadata: Any) -> dict[str, Any]:
     tensors, objects = [], []
     for fqn, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
-            numel = 1
-            for d in md.size:
-                numel *= int(d)
-            dtype = md.properties.dtype
-            tensors.append({"name": fqn, "shape": [int(d) for d in md.size], "dtype": str(dtype).removeprefix("torch."),
-                            "bytes": numel * dtype.itemsize, "chunks": len(md.chunks)})
+            tensors.append({"name": fqn, "shape": [int(d) for d in md.size],
+                            "dtype": str(md.properties.dtype).removeprefix("torch."),
+                            "bytes": tensor_bytes(md), "chunks": len(md.chunks)})
         else:
             objects.append({"name": fqn, "bytes": stored.get(fqn, 0)})
     return {"tensors": tensors, "objects": objects, "tensor_bytes": sum(t["bytes"] for t in tensors)}
