@@ -23,11 +23,11 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from tierckpt import guard, localmode, metrics
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StateDictMismatchError, TierckptError
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StateDictMismatchError
 from tierckpt.observability import StepLogger
 from tierckpt.runtime import RankRuntime
 
-__all__ = ["Loader", "quiet_dcp_fallback", "unwrap"]
+__all__ = ["Loader", "quiet_dcp_fallback"]
 
 
 class Loader:
@@ -61,7 +61,7 @@ class Loader:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     dcp_load(state_dict, storage_reader=reader, process_group=self.group)
             except CheckpointException as exc:
-                err = reader.failure or unwrap(exc)
+                err = reader.failure or guard.typed(exc)  # the first tierckpt error inside DCP's wrapper
                 if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
                     self.log.info(None, "no checkpoint found; starting fresh")
                     return None
@@ -101,7 +101,7 @@ class Loader:
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                     dcp_load(local_sd, storage_reader=reader, no_dist=True)
             except CheckpointException as exc:
-                error = reader.failure or unwrap(exc)
+                error = reader.failure or guard.typed(exc)
             if localmode.confirm(error is None, self.agree_group):
                 self.last_load = {"step": chosen, "seconds": time.perf_counter() - t0,
                                   "tiers": sorted(set(reader.tiers_used.values())),
@@ -113,15 +113,6 @@ class Loader:
                 raise error if error is not None else IntegrityError(f"step {chosen} failed to load on another rank", step=chosen)
             self.log.warning(chosen, "failed to load on some rank (%s); trying an older step", error)
             excluded.add(chosen)
-
-
-def unwrap(exc: CheckpointException) -> BaseException:
-    """The first tierckpt error inside DCP's per-rank wrapper, else the wrapper itself."""
-    for _, failure in sorted(exc.failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(inner, TierckptError):
-            return inner
-    return guard.typed(exc)
 
 
 @contextlib.contextmanager

@@ -27,7 +27,6 @@ from tierckpt import guard, localmode, metrics, monitor
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.drain import DrainQueue
 from tierckpt.handles import SaveHandle, settle
-from tierckpt.loading import unwrap
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.runtime import RankRuntime
 from tierckpt.snapshot import Snapshot, resolve_stateful
@@ -151,7 +150,6 @@ class SavePath:
         self._pending = None
 
     def _write_memory(self, writer: TieredStorageWriter, snap: Snapshot) -> None:
-        writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
         writer._commit_nodes = False  # commit_other_nodes broadcasts on the commit group instead
         self._saves += 1
         writer._save_seq = self._saves
@@ -164,11 +162,11 @@ class SavePath:
                     dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
                              process_group=self.topo.commit_group)
         except CheckpointException as exc:
-            raise (err := unwrap(exc)) from err.__cause__
+            raise (err := guard.typed(exc)) from err.__cause__
 
     def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
         writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
-        writer._snapshot = snap
+        writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
         try:
             self._staged(snap, handle)  # an overlapped copy lands (or fails) here
             self._write_memory(writer, snap)

@@ -20,6 +20,7 @@ unpickles them; the planner's ``commit_tensor`` / ``load_bytes`` run on the call
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -194,7 +195,7 @@ class ItemReader:
         """Copy one request's part of a checked record into its target (narrowed, cast as DCP does)."""
         if rec.data_offset >= 0:
             dtype, sizes = self.chunks[req.storage_index]
-            nbytes = _numel(sizes) * dtype.itemsize
+            nbytes = math.prod(sizes) * dtype.itemsize
             if rec.data_offset + nbytes > len(raw):
                 raise IntegrityError(f"item {req.storage_index.fqn}: record shorter than its tensor", step=self.step)
             if nbytes:
@@ -226,11 +227,3 @@ def _chunk_shapes(metadata: Any) -> dict[MetadataIndex, tuple[torch.dtype, tuple
             for i, chunk in enumerate(md.chunks):
                 out[MetadataIndex(fqn, chunk.offsets, i)] = (md.properties.dtype, tuple(chunk.sizes))
     return out
-
-
-def _numel(sizes: tuple[int, ...]) -> int:
-    n = 1
-    for s in sizes:
-        n *= s
-    return n
-
