@@ -184,6 +184,16 @@ class LocalS3Server:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout)
+        self._remove_grpc_sockets()
+
+    def _remove_grpc_sockets(self) -> None:
+        """weed puts each service's gRPC socket in /tmp whatever $TMPDIR says, named by a port this
+        object chose, and leaves some behind on exit: remove ours."""
+        for svc in _SERVICES:
+            port = self.ports.get(f"{svc}.port.grpc")
+            path = Path(f"/tmp/seaweedfs-{svc}-grpc-{port}.sock")
+            if port is not None and path.is_socket():
+                path.unlink(missing_ok=True)
 
     def cleanup(self) -> None:
         self.stop()

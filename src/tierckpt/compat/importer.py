@@ -65,7 +65,14 @@ def main(args: argparse.Namespace) -> int:
     config = CheckpointConfig(namespace=args.to_namespace or namespace, durable_url=args.to_url,
                               memory_steps_retained=1, durable_every_n_steps=0)
     durable = open_durable(config)
-    have = {s.step for s in durable.list_steps()} if durable is not None else set()
+    have: set[int] = set()
+    if durable is not None:
+        try:  # only to list what is there already: the conversion opens its own tiers
+            have = {s.step for s in durable.list_steps()}
+        finally:
+            closer = getattr(durable, "close", None)
+            if closer is not None:
+                closer()
     converted = 0
     for step in wanted:
         if step in have:
