@@ -3,7 +3,8 @@
     TierckptError                      root; every error tierckpt raises derives from it
     ├── ConfigError (ValueError)       a bad setting: namespace, URL, step, budget field
     ├── CheckpointNotFoundError (FileNotFoundError)
-    │                                  the asked-for step does not exist in any tier
+    │   │                              the asked-for step does not exist in any tier
+    │   └── NoUsableStepError          committed steps exist, but none every rank can load
     ├── IntegrityError                 a copy failed its checksum and no good copy is left
     │   └── SnapshotChangedError       an overlapped save's source changed before its copy (debug mode)
     ├── StateDictMismatchError (ValueError)
@@ -31,6 +32,7 @@ __all__ = [
     "IntegrityError",
     "LoadMismatchWarning",
     "MemoryBudgetError",
+    "NoUsableStepError",
     "ProtocolError",
     "SnapshotChangedError",
     "StateDictMismatchError",
@@ -92,6 +94,31 @@ class CheckpointNotFoundError(TierckptError, FileNotFoundError):
     """The asked-for step does not exist in any tier."""
 
     exit_code = 3
+
+
+class NoUsableStepError(CheckpointNotFoundError):
+    """Committed steps exist (in a memory root, under other ranks' names, or in another tier),
+    but no step is complete for every rank; nothing was loaded.
+
+    Raised by a load without an explicit step instead of returning ``None`` (which means "no
+    checkpoint at all": start fresh). ``steps`` are the committed steps found anywhere, oldest
+    first; ``missing`` maps each of them to what keeps some rank from loading it. The message
+    says which rank holds what and what to do (same ranks on the same nodes, ``--replicas 1``,
+    a durable tier).
+    """
+
+    def __init__(self, message: str, *, steps: tuple[int, ...] = (), missing: dict[int, str] | None = None,
+                 **context: Any) -> None:
+        super().__init__(message, **context)
+        self.steps = tuple(steps)
+        self.missing: dict[int, str] = dict(missing or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_unusable, (self.message, self.steps, self.missing, self.rank))
+
+
+def _rebuild_unusable(message: str, steps: tuple[int, ...], missing: dict[int, str], rank: int | None) -> NoUsableStepError:
+    return NoUsableStepError(message, steps=steps, missing=missing, rank=rank)
 
 
 class IntegrityError(TierckptError):
