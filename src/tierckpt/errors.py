@@ -17,6 +17,8 @@
     ├── StorageError (OSError)         a tier's I/O failed (disk full, permission, network)
     │   └── DurableWriteError          the durable copy of a step failed; memory is intact
     ├── ProtocolError                  peers disagree (world size, save ids) or broke the call order
+    ├── NonFiniteLossError             a save was held back: the loss was non-finite (monitor.step);
+    │                                  Checkpointer reports it as SaveHandle.skipped, not as a failure
     └── CheckpointFailedError          DCP's CheckpointException (a BaseException), made catchable
 """
 
@@ -33,6 +35,7 @@ __all__ = [
     "LoadMismatchWarning",
     "MemoryBudgetError",
     "NoUsableStepError",
+    "NonFiniteLossError",
     "ProtocolError",
     "SnapshotChangedError",
     "StateDictMismatchError",
@@ -153,6 +156,15 @@ class ProtocolError(TierckptError):
     """Ranks disagree with each other, or an interface was called out of order."""
 
     exit_code = 8
+
+
+class NonFiniteLossError(TierckptError):
+    """A save was not committed because ``tierckpt.monitor.step`` reported a non-finite loss.
+
+    Raised inside the commit (on any rank: the save is then committed nowhere);
+    ``Checkpointer.save`` turns it into ``SaveHandle.skipped`` (the reason) and a warning, so
+    a training loop keeps running until the launcher restarts it from an older step.
+    """
 
 
 class UnsaveableObjectError(TierckptError, TypeError):
