@@ -194,7 +194,8 @@ class CheckpointConfig:
                            step N); None: the launcher's, else no bound
 
     Fields left unset take the launcher's settings; an explicit value that differs from the
-    launcher's wins, with a warning naming both (once per process and value).
+    launcher's wins, with a warning naming both in a worker of ``tierckpt run`` (once per
+    process and value).
     """
 
     namespace: str = _NO_NAMESPACE
@@ -242,6 +243,9 @@ class CheckpointConfig:
     def _take_launcher_settings(self) -> None:
         """Fill the fields the caller left unset from ``tierckpt run``'s environment; warn on conflicts."""
         launcher = {} if _replacing.get() else launcher_settings()
+        # a conflict is worth a warning only in a worker of tierckpt run (it sets the generation);
+        # elsewhere (a shell's TIERCKPT_* for the CLI, the node agent) explicit values are just values
+        in_worker = bool(launcher) and os.environ.get("TIERCKPT_GENERATION") is not None
         unset = {"namespace": type(self.namespace) is _Unset, "memory_dir": type(self.memory_dir) is _Unset,
                  "durable_url": type(self.durable_url) is _Unset, "resume_before": self.resume_before is None}
         for name, is_unset in unset.items():
@@ -249,7 +253,7 @@ class CheckpointConfig:
             if is_unset:
                 value = launcher.get(name, None if name in ("durable_url", "resume_before") else str(value))
                 object.__setattr__(self, name, value)
-            elif name in launcher and launcher[name] != value:
+            elif in_worker and name in launcher and launcher[name] != value:
                 warnings.warn(
                     f"CheckpointConfig({name}={value!r}) differs from the launcher's {LAUNCHER_ENV[name]}="
                     f"{launcher[name]!r} (tierckpt run); using {value!r}. Leave {name} unset to follow the "

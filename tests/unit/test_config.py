@@ -96,6 +96,7 @@ _LAUNCHER = {"TIERCKPT_NAMESPACE": "job-ns", "TIERCKPT_MEMORY_DIR": "/dev/shm/la
 def test_unset_fields_take_the_launchers_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in _LAUNCHER.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.setenv("TIERCKPT_GENERATION", "2")
     cfg = CheckpointConfig()
     assert (cfg.namespace, cfg.memory_dir, cfg.durable_url, cfg.resume_before) == (
         "job-ns", "/dev/shm/launcher", "file:///launcher/durable", 40)
@@ -119,6 +120,9 @@ def test_without_the_launcher_the_defaults_hold(monkeypatch: pytest.MonkeyPatch)
 def test_explicit_value_that_differs_wins_with_a_warning_naming_both(monkeypatch: pytest.MonkeyPatch) -> None:
     for key, value in _LAUNCHER.items():
         monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TIERCKPT_GENERATION", raising=False)
+    assert CheckpointConfig(namespace="other").namespace == "other"  # not a worker of tierckpt run: no warning
+    monkeypatch.setenv("TIERCKPT_GENERATION", "0")  # a worker of tierckpt run
     with pytest.warns(UserWarning, match=r"memory_dir='/dev/shm/mine'.*TIERCKPT_MEMORY_DIR='/dev/shm/launcher'"):
         cfg = CheckpointConfig(memory_dir="/dev/shm/mine")
     assert (cfg.namespace, cfg.memory_dir) == ("job-ns", "/dev/shm/mine")
