@@ -66,3 +66,14 @@ def _load_only(rank: int, roots: list[str]) -> int | None:
     cfg = tierckpt.CheckpointConfig(namespace=NS, memory_dir=roots[rank], local_mode=True)
     with tierckpt.Checkpointer(cfg) as ck:
         return ck.load(zeros_like_state(small_state(0, rank)))
+
+
+def test_lost_node_in_local_mode_survivor_renumbered_raises(shm) -> None:
+    """The issue's scenario: node B survives as rank 0, the replacement for node A is empty."""
+    roots = [shm("nodeA"), shm("nodeB")]
+    replacement = shm("nodeA2")
+    outs = run_ranks(_save_then_load, 2, roots, [roots[1], replacement], True, timeout=120)
+    for out in outs:
+        assert out.get("error") == "NoUsableStepError" and out["steps"] == (1, 2), out
+        assert "rank 0 holds no step of its own, and rank 1's steps 1, 2" in out["message"], out
+        assert "rank 1 holds no step of its own" in out["message"], out
