@@ -190,8 +190,9 @@ class Checkpointer:
         """Load the newest loadable step (or ``step``) in place; None when nothing exists.
 
         Committed steps that exist but that no rank set can load raise ``NoUsableStepError``
-        (never None). Without ``step``, ``config.resume_before`` (``TIERCKPT_RESUME_BEFORE``,
-        set by ``tierckpt run`` after a non-finite loss) keeps only older steps.
+        (never None). Without ``step``, and before this Checkpointer's first save,
+        ``config.resume_before`` (``TIERCKPT_RESUME_BEFORE``, set by ``tierckpt run`` after a
+        non-finite loss) keeps only older steps.
 
         ``strict=True`` refuses dtype casts and checkpoint keys the state dict does not load
         (StateDictMismatchError; by default each is a warning). ``trusted`` overrides the
@@ -201,7 +202,9 @@ class Checkpointer:
         if step is not None:
             layout.validate_step(step)
         self._save.settle()  # a load after a save sees that save and its durable copy
-        return self._loader.load(state_dict, step, strict=strict, trusted=trusted)
+        # the bound is for resuming: once this job saved again (held back while non-finite), its steps count
+        before = self.config.resume_before if step is None and self._save.saves_made == 0 else None
+        return self._loader.load(state_dict, step, strict=strict, trusted=trusted, resume_before=before)
 
     def steps(self) -> list[StepInfo]:
         """Committed steps this rank can see, oldest first, with the tiers that hold them."""

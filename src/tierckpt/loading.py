@@ -43,33 +43,35 @@ class Loader:
         self.last_load: dict[str, Any] = {}
 
     def load(self, state_dict: dict[str, Any], step: int | None, *, strict: bool = False,
-             trusted: bool | None = None) -> int | None:
+             trusted: bool | None = None, resume_before: int | None = None) -> int | None:
         """Load the newest loadable step (or ``step``) in place; None when nothing exists.
 
         Steps that exist but that no rank set can load raise NoUsableStepError; without
-        ``step``, ``config.resume_before`` (the launcher's, after a non-finite loss) bounds
-        the step from above.
+        ``step``, ``resume_before`` (the launcher's, after a non-finite loss; the caller
+        decides whether it applies, the same on every rank) bounds the step from above.
         """
         checks: dict[str, Any] = {"strict": strict, "trusted": trusted, "verify_ahead": False}  # checked while read
-        before = self.config.resume_before if step is None else None
+        before = resume_before if step is None else None
         if before is not None:
             self.log.warning(None, "resume_before=%d (TIERCKPT_RESUME_BEFORE, set by tierckpt run after a non-finite "
                              "loss at step %d): loading the newest step older than %d, not a newer one the "
                              "non-finite values may have reached", before, before, before)
-        loaded = self._load_local(state_dict, step, checks) if self.config.local_mode else \
-            self._load_global(state_dict, step, checks)
+        loaded = self._load_local(state_dict, step, checks, before) if self.config.local_mode else \
+            self._load_global(state_dict, step, checks, before)
         if loaded is None and before is not None:
             self.log.warning(None, "no committed step older than %d exists (resume_before): starting from scratch",
                              before)
         return loaded
 
-    def _load_global(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any]) -> int | None:
+    def _load_global(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any],
+                     before: int | None) -> int | None:
         """Global mode: one ``dcp.load`` per try; a damaged newest step retries with it excluded."""
         excluded: list[int] = []
         failures: list[tuple[int, str]] = []
+        config = self.config if self.config.resume_before == before else self.config.replace(resume_before=before)
         while True:
             reader = TieredStorageReader(
-                self.config, step, process_group=self.group, exclude_steps=excluded,
+                config, step, process_group=self.group, exclude_steps=excluded,
                 expect=state_dict, _runtime=self.runtime, **checks,
             )
             t0 = time.perf_counter()
@@ -101,13 +103,14 @@ class Loader:
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
 
-    def _load_local(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any]) -> int | None:
+    def _load_local(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any],
+                    before: int | None) -> int | None:
         """Local mode: agree on a step every rank holds, then each rank reads only its own shards."""
         local_sd = localmode.localize(state_dict)
         excluded: set[int] = set()
         while True:
             chosen = localmode.agree(self.runtime, self.config, step, excluded, self.agree_group,
-                                     before=self.config.resume_before)
+                                     before=before)
             if chosen is None:
                 if excluded:
                     raise IntegrityError(f"no step loads on every rank; failed: {sorted(excluded)}")

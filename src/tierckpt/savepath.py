@@ -91,6 +91,11 @@ class SavePath:
             self.reserve(snap.nbytes)
         return handle
 
+    @property
+    def saves_made(self) -> int:
+        """Saves this path has run the commit of (committed or not): the same count on every rank."""
+        return self._saves
+
     def fence(self) -> None:
         """Order what the caller does next after the pending overlapped copy; never raises."""
         snap = self._pending

@@ -45,7 +45,11 @@ def _load_under_launcher(rank: int, roots: list[str], local_mode: bool, bounds: 
     with tierckpt.Checkpointer(cfg) as ck:
         step = ck.load(sd)
         explicit = ck.load(zeros_like_state(small_state(0, rank)), step=5)  # an explicit step is not bounded
-    return {"step": step, "explicit": explicit, "bound": cfg.resume_before, "state": to_wire(sd)}
+        # training goes on: once this job saved again, a load sees its newest step, bound or not
+        ck.save(6, small_state(6, rank)).wait()
+        after_save = ck.load(zeros_like_state(small_state(0, rank)))
+    return {"step": step, "explicit": explicit, "bound": cfg.resume_before, "state": to_wire(sd),
+            "after_save": after_save}
 
 
 @pytest.mark.parametrize("local_mode", [False, True], ids=["global", "local"])
@@ -56,11 +60,12 @@ def test_resume_before_loads_the_newest_older_step_on_every_rank(shm, local_mode
     # rank 1's bound is lower (its loss went non-finite first): both ranks agree on step 2
     outs = run_ranks(_load_under_launcher, 2, roots, local_mode, ["4", "3"], timeout=120)
     for rank, out in enumerate(outs):
-        assert (out["step"], out["explicit"], out["bound"]) == (2, 5, [4, 3][rank]), out
+        assert (out["step"], out["explicit"], out["bound"], out["after_save"]) == (2, 5, [4, 3][rank], 6), out
         assert_state_equal(from_wire(out["state"]), small_state(2, rank))
     # no step older than the bound: a fresh start (None), with a warning, not a newer step
     outs = run_ranks(_load_under_launcher, 2, roots, local_mode, ["1", "1"], timeout=120)
     assert [o["step"] for o in outs] == [None, None]
+    assert [o["after_save"] for o in outs] == [6, 6]
 
 
 def _nan_then_save(rank: int, root: str, nan_rank: int) -> dict:
