@@ -145,7 +145,8 @@ def step(step: int, loss: float | None = None, **metrics: float) -> None:
     """Report that training step ``step`` finished, with its loss; a NaN or Inf loss is a fault.
 
     ``metrics`` (e.g. ``samples_per_s=...``) are accepted for forward compatibility and
-    currently only checked for finiteness like the loss.
+    currently only checked for finiteness like the loss. A non-finite value also holds back this
+    process's saves (``Checkpointer.save``) until a later step reports a finite loss.
     """
     global _warned_non_finite
     bad = loss is not None and not math.isfinite(float(loss))
