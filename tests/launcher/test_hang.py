@@ -1,0 +1,63 @@
+"""Hang detection on real processes: a slow evaluation pass is no hang; a stopped rank and a collective
+that never returns are, within 10 s, and the events name the evidence that decided."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.launcher.cluster import LocalJob
+
+pytestmark = pytest.mark.slow
+
+
+def _faults(job: LocalJob) -> list[dict[str, object]]:
+    return [e for e in job.events() if e["event"] == "fault"]
+
+
+def test_eval_pass_longer_than_the_old_floor_is_no_hang_before_or_after_a_restart(
+        make_job: Callable[..., LocalJob]) -> None:
+    """0.05 s steps, a 6 s busy evaluation every 20 steps (the old timeout: 5 s floor, 3 x 0.05 s):
+    no Hang at the evaluation of generation 0, nor at the two after a restart caused by a SIGKILL."""
+    job = make_job(train=["--steps", "62", "--step-time", "0.05", "--eval-every", "20", "--eval-s", "6"])
+    job.start()
+    job.wait_for(lambda: any(e["event"] == "eval" for e in job.trace(1)), 120, "rank 1 finishes its first eval")
+    job.wait_for(lambda: job.last_step(1) >= 23, 60, "rank 1 trains after the eval")
+    os.kill(job.worker_pid(1), signal.SIGKILL)  # a restart for another reason: what was learned must stay
+    assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
+    assert [f["reason"] for f in _faults(job)] in (["Crash"], ["Crash", "Crash"]), job.report()
+    assert {f["generation"] for f in _faults(job)} == {0}
+    evals = [e for e in job.trace(0) if e["event"] == "eval"]
+    assert {e["step"] for e in evals if e["generation"] == 1} >= {40, 60}, evals
+    assert all(e["eval_s"] >= 6.0 for e in evals)
+    # the learned profile is in the restart-state file, for a full restart
+    state = json.loads((Path(job.memory[0]) / ".tierckpt-run" / f"{job.rdzv_id}.json").read_text())
+    assert state["hang"]["longest_s"] >= 6.0, state
+
+
+def test_sigstop_is_reported_within_5s_naming_the_stopped_process(make_job: Callable[..., LocalJob]) -> None:
+    job = make_job(train=["--steps", "40"])
+    job.start()
+    job.wait_for(lambda: job.last_step(1) >= 8, 90, "rank 1 reaches step 8")
+    os.kill(job.worker_pid(1), signal.SIGSTOP)
+    assert job.wait_exit(120) == {0: 0, 1: 0}, job.report()
+    fault = _faults(job)[0]
+    assert fault["reason"] == "Hang" and fault["rank"] == 1, job.report()
+    assert "stopped (state T)" in str(fault["detail"]), fault
+    assert float(fault["detection_latency_s"]) <= 5.0, fault  # type: ignore[arg-type]
+
+
+def test_collective_that_never_returns_is_reported_within_10s(make_job: Callable[..., LocalJob]) -> None:
+    """Rank 1 blocks forever at step 10 (no beat, no CPU); rank 0 waits in its all-reduce."""
+    job = make_job(train=["--steps", "30", "--fault", "hang", "--fault-step", "10"])
+    job.start()
+    assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
+    fault = _faults(job)[0]
+    assert fault["reason"] == "Hang", job.report()
+    assert "no CPU progress" in str(fault["detail"]), fault
+    assert float(fault["detection_latency_s"]) <= 10.0, fault  # type: ignore[arg-type]
