@@ -40,6 +40,17 @@ def test_eval_pass_longer_than_the_old_floor_is_no_hang_before_or_after_a_restar
     assert state["hang"]["longest_s"] >= 6.0, state
 
 
+def test_eval_on_rank_0_alone_while_rank_1_waits_idle_in_the_all_reduce(make_job: Callable[..., LocalJob]) -> None:
+    """Rank 1 (another node) makes no CPU progress for 6+ s: it waits for rank 0, which is busy."""
+    job = make_job(train=["--steps", "42", "--step-time", "0.05", "--eval-every", "20", "--eval-s", "7",
+                          "--eval-rank", "0"])
+    job.start()
+    assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
+    assert _faults(job) == [], job.report()
+    waits = [e for e in job.trace(1) if e["event"] == "eval"]
+    assert [e["step"] for e in waits] == [20, 40] and all(e["eval_s"] >= 6.0 for e in waits), waits  # > the 5 s idle limit
+
+
 def test_sigstop_is_reported_within_5s_naming_the_stopped_process(make_job: Callable[..., LocalJob]) -> None:
     job = make_job(train=["--steps", "40"])
     job.start()

@@ -13,8 +13,9 @@ Faults on request (only in generation ``--fault-generation``, rank ``--fault-ran
 ``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step),
 ``hang`` (block forever in a wait at that step, without a heartbeat: the other ranks block in
 their next all-reduce, a collective that never returns).
-``--eval-every N --eval-s S``: after every Nth step every rank evaluates for S seconds (busy, no
-heartbeat), then all-reduces the result, the way a legitimate slow step looks to the launcher.
+``--eval-every N --eval-s S``: after every Nth step every rank (``--eval-rank R``: rank R alone,
+the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
+the result, the way a legitimate slow step looks to the launcher.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-rank", type=int, default=1)
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--eval-s", type=float, default=8.0)
+    ap.add_argument("--eval-rank", type=int, default=-1, help="-1: every rank evaluates")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -149,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             ck.save(step, state)
             _trace(trace, "step", step=step, digest=_digest(model))
             if args.eval_every and step % args.eval_every == 0:
-                _evaluate(model, args.eval_s, trace, step)
+                _evaluate(model, args.eval_s if args.eval_rank in (-1, rank) else 0.0, trace, step)
             time.sleep(max(0.0, args.step_time - (time.time() - t_step)))
         ck.wait()
     _trace(trace, "done", step=args.steps)
