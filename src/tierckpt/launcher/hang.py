@@ -116,10 +116,12 @@ class Evidence:
     def __init__(self, policy: HangPolicy | None = None) -> None:
         self.policy = policy or HangPolicy()
         self.samples: list[Sample] = []
+        self._active: list[int] = []  # how many of samples[:i + 1] are active (prefix sums)
         self.max_idle_s = 0.0  # the longest idle stretch since the last heartbeat
 
     def reset(self) -> None:
         self.samples.clear()
+        self._active.clear()
         self.max_idle_s = 0.0
 
     def add(self, sample: Sample) -> None:
@@ -127,8 +129,11 @@ class Evidence:
             self.samples = [Sample(s.time, s.cpu_s - (self.samples[-1].cpu_s - sample.cpu_s), s.stopped, s.active)
                             for s in self.samples]
         self.samples.append(sample)
+        self._active.append((self._active[-1] if self._active else 0) + sample.active)
         if len(self.samples) > 20_000:  # ~30 min at 0.1 s: the start is no longer needed
-            del self.samples[: len(self.samples) // 2]
+            half = len(self.samples) // 2
+            del self.samples[:half]
+            del self._active[:half]
         self.max_idle_s = max(self.max_idle_s, self.idle_for())
 
     @property
@@ -147,18 +152,18 @@ class Evidence:
 
     def idle_for(self) -> float:
         """The longest trailing stretch without CPU progress (see the module doc's rule 3)."""
-        s = self.samples
-        if len(s) < 2:
+        s, n = self.samples, len(self.samples)
+        if n < 2:
             return 0.0
-        last = s[-1]
-        best, active = 0.0, int(last.active)
-        for i in range(len(s) - 2, -1, -1):
-            active += s[i].active
+        last, best = s[-1], 0.0
+        stride = max(1, n // 256)  # a long silence is judged on ~256 windows, not every sample
+        before = 0
+        for i in range(n - 2, -1, -stride):
             span = last.time - s[i].time
-            cpu_ok = last.cpu_s - s[i].cpu_s <= self.policy.idle_cpu_fraction * span + 0.02  # 2 clock ticks
-            if not cpu_ok:
+            if last.cpu_s - s[i].cpu_s > self.policy.idle_cpu_fraction * span + 0.02:  # 2 clock ticks
                 break
-            if active <= 0.25 * (len(s) - i):
+            before = self._active[i - 1] if i else 0
+            if self._active[-1] - before <= 0.25 * (n - i):
                 best = span
         return best
 
