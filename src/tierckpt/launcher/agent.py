@@ -284,8 +284,11 @@ class TierckptAgent(LocalElasticAgent):
             timeout = max(t.timeout() or 0.0 for t in self._trackers.values())
             self._calibrated_reported = True
             self.events.hb_timeout.set(timeout)
+            hang, learned = self.opts.heartbeat.hang, self._learn()
             self.events.emit("timeout", generation=self.generation, heartbeat_timeout_s=round(timeout, 3),
-                             longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3))
+                             longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3),
+                             idle_limit_s=round(hang.idle_limit(learned), 3),
+                             hang_ceiling_s=round(hang.ceiling(learned), 3))
 
     def _all_beat(self) -> bool:
         """Every local worker of this generation has sent its first heartbeat."""
