@@ -12,8 +12,10 @@ A heartbeat that is late is not yet a hang. What decides, in this order:
    a stopped debugger) for ``stopped_s`` (3 s) → ``Hang``.
 2. **section**: inside ``monitor.section(name, timeout_s=...)`` the rank may be silent until the
    section's own deadline, whatever it does; past it → ``Hang``.
-3. **idle**: the rank's process tree made no CPU progress (under ``idle_cpu_fraction`` of one core, no
-   thread runnable or in uninterruptible I/O in more than a quarter of the samples) for the idle
+3. **idle**: the rank's process tree made no progress (under ``idle_cpu_fraction`` of one core, under
+   ``idle_io_bytes_per_s`` read or written (sockets and pipes count: a data loader waiting on
+   a remote bucket moves bytes, a collective that never returns does not), no thread runnable
+   or in uninterruptible I/O in more than a quarter of the samples) for the idle
    limit, ``max(idle_floor_s, idle_factor x the longest idle stretch learned)`` → ``Hang``, unless
    another rank of the job is busy and silent too (this one waits for that one in a collective).
    A busy rank that gets little CPU because the machine is loaded stays runnable (``R``), so it
@@ -48,6 +50,7 @@ class HangPolicy:
     idle_floor_s: float = 5.0
     idle_factor: float = 2.0
     idle_cpu_fraction: float = 0.02
+    idle_io_bytes_per_s: float = 4096.0
     ceiling_s: float | None = None
     ceiling_floor_s: float = 300.0
     ceiling_factor: float = 10.0
@@ -108,6 +111,7 @@ class Sample:
     cpu_s: float  # utime + stime of the rank's process and its live descendants
     stopped: bool  # every thread of the rank's own process is stopped (T/t)
     active: bool  # some thread of the tree is runnable (R) or in uninterruptible I/O (D)
+    io_bytes: int = 0  # rchar + wchar of the tree (/proc/<pid>/io): files, sockets, pipes
 
 
 class Evidence:
@@ -125,9 +129,11 @@ class Evidence:
         self.max_idle_s = 0.0
 
     def add(self, sample: Sample) -> None:
-        if self.samples and sample.cpu_s < self.samples[-1].cpu_s:  # a child died: its CPU left the sum
-            self.samples = [Sample(s.time, s.cpu_s - (self.samples[-1].cpu_s - sample.cpu_s), s.stopped, s.active)
-                            for s in self.samples]
+        last = self.samples[-1] if self.samples else None
+        if last is not None and (sample.cpu_s < last.cpu_s or sample.io_bytes < last.io_bytes):
+            # a child died: its counters left the sums; rebase the earlier samples
+            dc, dio = max(0.0, last.cpu_s - sample.cpu_s), max(0, last.io_bytes - sample.io_bytes)
+            self.samples = [Sample(s.time, s.cpu_s - dc, s.stopped, s.active, s.io_bytes - dio) for s in self.samples]
         self.samples.append(sample)
         self._active.append((self._active[-1] if self._active else 0) + sample.active)
         if len(self.samples) > 20_000:  # ~30 min at 0.1 s: the start is no longer needed
@@ -160,7 +166,8 @@ class Evidence:
         before = 0
         for i in range(n - 2, -1, -stride):
             span = last.time - s[i].time
-            if last.cpu_s - s[i].cpu_s > self.policy.idle_cpu_fraction * span + 0.02:  # 2 clock ticks
+            if last.cpu_s - s[i].cpu_s > self.policy.idle_cpu_fraction * span + 0.02 or \
+                    last.io_bytes - s[i].io_bytes > self.policy.idle_io_bytes_per_s * span + 4096:  # 2 ticks, a page
                 break
             before = self._active[i - 1] if i else 0
             if self._active[-1] - before <= 0.25 * (n - i):
@@ -186,7 +193,7 @@ def judge(policy: HangPolicy, profile: Profile, ev: Evidence, *, silent_s: float
         return None
     idle, idle_limit = ev.idle_for(), policy.idle_limit(profile)
     if silent_s >= idle_limit and idle >= idle_limit - policy.sample_after_s - 0.5 and not peer_busy:
-        return HANG, (f"no CPU progress for {idle:.1f}s, {after} (idle limit {idle_limit:.1f}s; "
+        return HANG, (f"no CPU or I/O progress for {idle:.1f}s, {after} (idle limit {idle_limit:.1f}s; "
                       "no other rank busy)")
     ceiling = policy.ceiling(profile)
     if silent_s >= ceiling:

@@ -17,7 +17,7 @@ A fixed ``--heartbeat-timeout`` replaces the calibrated value and every other ru
 
 With ``auto`` (the default) that timeout is only the fallback: once the rank's process has been
 sampled while silent, the evidence rules of ``hang.py`` decide (stopped, section deadline,
-no CPU progress, ceiling), so a long evaluation pass is not a hang. What the tracker learns
+no CPU or I/O progress, ceiling), so a long evaluation pass is not a hang. What the tracker learns
 (``profile``: the longest interval and the longest idle stretch, outside sections) seeds the
 next generation's trackers, so a restart does not forget the evaluation pass.
 """

@@ -5,7 +5,7 @@
                                               # ranks, and say for each local rank whether another rank
                                               # (here, or on another node: busyboard.py) is busy and silent
 
-One sample reads ``/proc/<pid>/stat`` and ``task/*/stat`` of the rank and of each descendant
+One sample reads ``/proc/<pid>/stat``, ``io`` and ``task/*/stat`` of the rank and of each descendant
 (data-loader workers, compilers), at most ``_MAX_PROCS`` processes: a few hundred microseconds,
 taken only while a rank is silent for more than ``HangPolicy.sample_after_s``.
 """
@@ -54,6 +54,16 @@ def _threads(pid: int) -> list[str]:
     return states
 
 
+def _io(pid: int) -> int:
+    """rchar + wchar of ``pid`` (0 when unreadable: then I/O is no evidence either way)."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return int(fields.get(b"rchar", b"0")) + int(fields.get(b"wchar", b"0"))
+    except (OSError, ValueError):
+        return 0
+
+
 def _children(pid: int) -> list[int]:
     out: list[int] = []
     try:
@@ -77,7 +87,7 @@ def sample_tree(pid: int, now: float) -> Sample | None:
     own = _threads(pid)
     stopped = bool(own) and all(s in "Tt" for s in own)
     active = any(s in "RD" for s in own)
-    cpu = top[1]
+    cpu, io = top[1], _io(pid)
     todo, seen = _children(pid), {pid}
     while todo and len(seen) < _MAX_PROCS:
         child = todo.pop()
@@ -88,9 +98,10 @@ def sample_tree(pid: int, now: float) -> Sample | None:
         if st is None or st[0] in "ZX":
             continue
         cpu += st[1]
+        io += _io(child)
         active = active or any(s in "RD" for s in _threads(child))
         todo.extend(_children(child))
-    return Sample(time=now, cpu_s=cpu, stopped=stopped, active=active)
+    return Sample(time=now, cpu_s=cpu, stopped=stopped, active=active, io_bytes=io)
 
 
 def sample_ranks(trackers: Mapping[int, BeatTracker], pids: Mapping[int, int], now: float,

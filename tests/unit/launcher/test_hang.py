@@ -27,7 +27,7 @@ class Rank:
 
     def __init__(self, policy: HeartbeatPolicy | None = None, learned: Profile | None = None) -> None:
         self.tr = BeatTracker(policy or HeartbeatPolicy(), start=0.0, learned=learned)
-        self.now, self.seq, self.step, self.cpu = 0.0, 0, 0, 0.0
+        self.now, self.seq, self.step, self.cpu, self.io = 0.0, 0, 0, 0.0, 0
 
     def beat(self, section: tuple[str, float | None] | None = None) -> None:
         self.seq += 1
@@ -37,14 +37,15 @@ class Rank:
                              section=name, section_timeout_s=timeout), self.now)
 
     def silent(self, seconds: float, *, cpu_rate: float, active: bool, stopped: bool = False,
-               peer_busy: bool = False) -> tuple[float, tuple[str, str]] | None:
+               peer_busy: bool = False, io_rate: int = 0) -> tuple[float, tuple[str, str]] | None:
         """``seconds`` of polls without a beat; (silence, problem) at the first problem, else None."""
         start = self.now
         while self.now - start < seconds - 1e-9:
             self.now = round(self.now + TICK, 6)
             self.cpu += 0.0 if stopped else cpu_rate * TICK
+            self.io += 0 if stopped else int(io_rate * TICK)
             if self.tr.wants_sample(self.now):
-                self.tr.evidence.add(Sample(self.now, self.cpu, stopped, active and not stopped))
+                self.tr.evidence.add(Sample(self.now, self.cpu, stopped, active and not stopped, self.io))
             problem = self.tr.check(self.now, peer_busy=peer_busy)
             if problem is not None:
                 return self.now - start, problem
@@ -87,7 +88,7 @@ def test_no_cpu_progress_is_a_hang_at_the_idle_limit() -> None:
     r.beat()
     r.train(10)
     silence, (reason, detail) = r.silent(30, cpu_rate=0.0, active=False) or (0.0, ("", ""))
-    assert reason == "Hang" and 5.0 <= silence <= 5.2 and detail.startswith("no CPU progress for 4."), detail
+    assert reason == "Hang" and 5.0 <= silence <= 5.2 and detail.startswith("no CPU or I/O progress for 4."), detail
 
 
 def test_idle_while_another_rank_is_busy_waits_for_it_up_to_the_ceiling() -> None:
@@ -105,6 +106,16 @@ def test_a_starved_busy_rank_on_a_loaded_machine_is_not_idle() -> None:
     r.beat()
     r.train(5)
     assert r.silent(60, cpu_rate=0.001, active=True) is None
+
+
+def test_a_stall_that_moves_bytes_is_not_idle() -> None:
+    """A data loader waiting on a remote bucket: no CPU to speak of, sleeping threads, but bytes arrive."""
+    r = Rank()
+    r.beat()
+    r.train(5)
+    assert r.silent(60, cpu_rate=0.001, active=False, io_rate=200_000) is None
+    got = r.silent(30, cpu_rate=0.0, active=False, io_rate=1000)  # a trickle is no progress
+    assert got is not None and "no CPU or I/O progress" in got[1][1]
 
 
 def test_busy_without_a_beat_ends_at_the_ceiling() -> None:
