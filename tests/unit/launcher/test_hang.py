@@ -255,3 +255,16 @@ def test_sample_ranks_samples_only_silent_ranks_and_names_busy_peers() -> None:
     finally:
         busy.kill()
         busy.wait()
+
+
+def test_hang_ceiling_option() -> None:
+    from tierckpt.errors import TierckptError
+    from tierckpt.launcher.cli import _options, build_parser
+
+    def opts(*argv: str) -> HeartbeatPolicy:
+        return _options(build_parser().parse_args([*argv, "train.py"])).heartbeat  # type: ignore[no-any-return]
+
+    assert opts().hang == HangPolicy() and opts().fixed_timeout_s is None  # auto: the evidence rules
+    assert opts("--hang-ceiling", "120").hang.ceiling_s == 120.0
+    with pytest.raises(TierckptError, match="--hang-ceiling must be positive"):
+        opts("--hang-ceiling", "0")
