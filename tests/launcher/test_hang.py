@@ -72,3 +72,37 @@ def test_collective_that_never_returns_is_reported_within_10s(make_job: Callable
     assert fault["reason"] == "Hang", job.report()
     assert "no CPU or I/O progress" in str(fault["detail"]), fault
     assert float(fault["detection_latency_s"]) <= 10.0, fault  # type: ignore[arg-type]
+
+
+def test_an_idle_stall_learned_in_an_earlier_incarnation_is_normal(make_job: Callable[..., LocalJob]) -> None:
+    """Both ranks wait 6 s without CPU (a stall) every 20 steps: a hang under the 5 s idle limit, but the
+    restart-state file says a 4 s idle stretch was seen before (idle limit 2 x 4 s): no fault."""
+    job = make_job(train=["--steps", "42", "--step-time", "0.05", "--eval-every", "20", "--eval-s", "6",
+                          "--eval-idle"])
+    for node in range(job.nnodes):  # what the previous incarnation of this job wrote on its way out
+        path = Path(job.memory[node]) / ".tierckpt-run" / f"{job.rdzv_id}.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps({"hang": {"longest_s": 4.2, "longest_idle_s": 4.0, "intervals": 40}}))
+    job.start()
+    assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
+    assert _faults(job) == [], job.report()
+    assert [e["step"] for e in job.trace(0) if e["event"] == "eval"] == [20, 40]
+    timeout = next(e for e in job.events(0) if e["event"] == "timeout")
+    assert timeout["idle_limit_s"] == 8.0, timeout
+
+
+def test_a_section_allows_its_timeout_and_no_more(make_job: Callable[..., LocalJob]) -> None:
+    """An idle 6 s evaluation inside monitor.section("eval", timeout_s=30) is no hang; one with timeout_s=3
+    is, at 3 s, and the detail names the section."""
+    ok = make_job(train=["--steps", "22", "--step-time", "0.05", "--eval-every", "20", "--eval-s", "6",
+                         "--eval-idle", "--eval-section-timeout", "30"])
+    ok.start()
+    assert ok.wait_exit(180) == {0: 0, 1: 0}, ok.report()
+    assert _faults(ok) == [], ok.report()
+    late = make_job(train=["--steps", "22", "--step-time", "0.05", "--eval-every", "20", "--eval-s", "6",
+                           "--eval-idle", "--eval-section-timeout", "3"])
+    late.start()
+    assert late.wait_exit(180) == {0: 0, 1: 0}, late.report()
+    fault = _faults(late)[0]
+    assert fault["reason"] == "Hang" and str(fault["detail"]).startswith("in section 'eval' for 3."), fault
+    assert 3.0 <= float(fault["detection_latency_s"]) <= 4.5, fault  # type: ignore[arg-type]

@@ -15,7 +15,8 @@ Faults on request (only in generation ``--fault-generation``, rank ``--fault-ran
 their next all-reduce, a collective that never returns).
 ``--eval-every N --eval-s S``: after every Nth step every rank (``--eval-rank R``: rank R alone,
 the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
-the result, the way a legitimate slow step looks to the launcher.
+the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
+(sleeps) instead, like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ def _digest(model: Any) -> str:
     return h.hexdigest()
 
 
-def _evaluate(model: Any, seconds: float, trace: Path, step: int) -> None:
-    """A busy evaluation pass of ``seconds`` without a heartbeat, ending in an all-reduce."""
+def _evaluate(model: Any, seconds: float, trace: Path, step: int, idle: bool = False) -> None:
+    """A busy (or ``idle``: sleeping) evaluation pass of ``seconds`` without a heartbeat, ending in an all-reduce."""
     import torch
     import torch.distributed as dist
 
     t0 = time.time()
     total = torch.zeros(())
+    if idle:
+        time.sleep(seconds)
     with torch.no_grad():
         while time.time() - t0 < seconds:
             total += model(torch.randn(256, 32)).sum()
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--eval-s", type=float, default=8.0)
     ap.add_argument("--eval-rank", type=int, default=-1, help="-1: every rank evaluates")
+    ap.add_argument("--eval-idle", action="store_true")
+    ap.add_argument("--eval-section-timeout", type=float, default=0.0)
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -151,7 +156,12 @@ def main(argv: list[str] | None = None) -> int:
             ck.save(step, state)
             _trace(trace, "step", step=step, digest=_digest(model))
             if args.eval_every and step % args.eval_every == 0:
-                _evaluate(model, args.eval_s if args.eval_rank in (-1, rank) else 0.0, trace, step)
+                seconds = args.eval_s if args.eval_rank in (-1, rank) else 0.0
+                if args.eval_section_timeout:
+                    with monitor.section("eval", timeout_s=args.eval_section_timeout):
+                        _evaluate(model, seconds, trace, step, idle=args.eval_idle)
+                else:
+                    _evaluate(model, seconds, trace, step, idle=args.eval_idle)
             time.sleep(max(0.0, args.step_time - (time.time() - t_step)))
         ck.wait()
     _trace(trace, "done", step=args.steps)
