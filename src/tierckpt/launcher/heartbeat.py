@@ -69,6 +69,7 @@ class BeatTracker:
             self.profile.merge(learned)
         self.evidence = Evidence(policy.hang)
         self.section: tuple[str, float | None] | None = None  # (name, timeout_s) from the newest record
+        self._waited_for_peer = False  # this interval's idleness was excused by a busy rank elsewhere
         self.step: int | None = None
         self.loss: float | None = None
         self.non_finite = False
@@ -107,9 +108,11 @@ class BeatTracker:
         if self.last_change is not None and self.section is None:  # start-up and the load come before beat 1
             p = self.profile
             p.longest_s = max(p.longest_s, now - self.last_change)
-            p.longest_idle_s = max(p.longest_idle_s, self.evidence.max_idle_s)
+            if not self._waited_for_peer:  # waiting for rank 0's evaluation is no stall of this rank's own
+                p.longest_idle_s = max(p.longest_idle_s, self.evidence.max_idle_s)
             p.intervals += 1
         self.evidence.reset()
+        self._waited_for_peer = False
         self.section = None if beat.section is None else (beat.section, beat.section_timeout_s)
         self.last_seq = beat.seq
         self.last_change = now
@@ -148,6 +151,7 @@ class BeatTracker:
             return None
         silent = now - self.last_change
         if self.policy.fixed_timeout_s is None and self.evidence.known:
+            self._waited_for_peer = self._waited_for_peer or (peer_busy and self.evidence.idle_for() > 0)
             return judge(self.policy.hang, self.profile, self.evidence, silent_s=silent, step=self.step,
                          section=self.section, peer_busy=peer_busy)
         if self.section is not None and self.section[1] is not None and self.policy.fixed_timeout_s is None:

@@ -98,6 +98,15 @@ def test_idle_while_another_rank_is_busy_waits_for_it_up_to_the_ceiling() -> Non
     silence, (reason, detail) = r.silent(400, cpu_rate=0.0, active=False, peer_busy=True) or (0.0, ("", ""))
     assert reason == "Hang" and silence == pytest.approx(300.0, abs=0.15), silence  # the ceiling's floor
     assert "waiting for a busy rank (ceiling 300s)" in detail
+    # waiting 8 s for another rank's evaluation is not learned as a stall of this rank's own
+    w = Rank()
+    w.beat()
+    w.train(5)
+    assert w.silent(8.0, cpu_rate=0.0, active=False, peer_busy=True) is None
+    w.beat()
+    assert w.tr.profile.longest_idle_s == 0.0 and w.tr.profile.longest_s == pytest.approx(8.0)
+    got = w.silent(30, cpu_rate=0.0, active=False)
+    assert got is not None and got[0] == pytest.approx(5.0, abs=0.15)
 
 
 def test_a_starved_busy_rank_on_a_loaded_machine_is_not_idle() -> None:
