@@ -123,9 +123,15 @@ class BeatTracker:
         return True
 
     def wants_sample(self, now: float) -> bool:
-        """Silent long enough that its process is worth a look (auto mode, after the first beat)."""
-        return self.policy.fixed_timeout_s is None and self.last_change is not None and \
-            now - self.last_change >= self.policy.hang.sample_after_s
+        """Silent long enough that its process is worth a look (auto mode, after the first beat).
+
+        Every poll at first, then less often as the silence grows (every ``silence / 20``, at most
+        1 s apart): a long evaluation pass on many local ranks costs the agent little."""
+        if self.policy.fixed_timeout_s is not None or self.last_change is None:
+            return False
+        silent = now - self.last_change
+        s = self.evidence.samples
+        return silent >= self.policy.hang.sample_after_s and (not s or now - s[-1].time >= min(1.0, silent / 20))
 
     def busy_silent(self) -> bool:
         """Silent and computing: a rank the others may be waiting for in a collective."""
