@@ -277,3 +277,21 @@ def test_hang_ceiling_option() -> None:
     assert opts("--hang-ceiling", "120").hang.ceiling_s == 120.0
     with pytest.raises(TierckptError, match="--hang-ceiling must be positive"):
         opts("--hang-ceiling", "0")
+
+
+def test_busy_board_on_a_real_store() -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from tierckpt.launcher.busyboard import BusyBoard
+    from tierckpt.launcher.control import connect_client
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
+    a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)
+    assert not a.exchange(3, 2, False, True)  # nobody published: not busy (and no blocking get)
+    assert not b.exchange(3, 2, True, False)  # published, not asked
+    assert a.exchange(3, 2, False, True) and not a.exchange(4, 2, False, True)  # per generation
+    assert not b.exchange(3, 2, False, True)  # its own key does not count
+    assert not a.exchange(3, 2, False, True)  # b is no longer busy
+    assert not a.exchange(3, 1, False, True)  # one node: nobody else
