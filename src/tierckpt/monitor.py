@@ -5,11 +5,15 @@
         loss = train_step()
         monitor.step(step, loss=loss.item())      # one beat per step; a NaN/Inf loss is a fault
 
+    with monitor.section("eval", timeout_s=600):  # a known long stretch without steps
+        evaluate()
+
 Call order: ``step()`` from the training loop of every rank, once per step (``beat()`` marks
-progress without a new step; ``Checkpointer.save`` calls it). Under ``tierckpt run`` each
+progress without a new step; ``Checkpointer.save`` calls it; ``section()`` around a long
+stretch, nested sections allowed: the innermost one is reported). Under ``tierckpt run`` each
 local rank writes one small record into a file of the launcher's (``TIERCKPT_MONITOR_DIR``,
 ``LOCAL_RANK``); the launcher polls it every monitor interval. Writing costs one ``pwrite`` of
-48 bytes and never blocks on the launcher. Without the launcher every call is a no-op
+44 bytes (88 inside a section) and never blocks on the launcher. Without the launcher every call is a no-op
 (a non-finite loss is still logged once).
 
 A non-finite loss also holds back this process's saves: ``Checkpointer.save`` takes a
@@ -27,15 +31,22 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "step", "watch_save"]
+__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "section", "step", "watch_save"]
 
 NON_FINITE_LOSS = "NonFiniteLoss"
 # seq, step, wall time, loss, flags (bit 0: loss is non-finite), crc32 of the rest
 _FMT = struct.Struct("<QqddQ")
 _REC = struct.Struct("<QqddQI")
 _FLAG_NON_FINITE = 1
+# the section extension, present when flags bit 1 is set: timeout_s (0: none), the name (UTF-8,
+# NUL-padded), crc32 of the record's seq and the rest; a reader of the 44-byte record ignores it
+_FLAG_SECTION = 2
+_SEC = struct.Struct("<d32s")
+_SEC_NAME_MAX = 32
 _NO_STEP = -(2**63)
 
 _log = logging.getLogger("tierckpt.monitor")
@@ -50,6 +61,8 @@ class Beat:
     time: float
     loss: float | None
     non_finite: bool
+    section: str | None = None  # inside monitor.section(name, ...)
+    section_timeout_s: float | None = None
 
 
 class _Writer:
@@ -59,6 +72,7 @@ class _Writer:
         self._step = _NO_STEP
         self._loss = math.nan
         self._flags = 0
+        self._sections: list[tuple[str, float | None]] = []
         self._lock = threading.Lock()
 
     def write(self, step: int | None, loss: float | None) -> None:
@@ -70,8 +84,24 @@ class _Writer:
                 self._loss = float(loss)
                 if not math.isfinite(self._loss):
                     self._flags |= _FLAG_NON_FINITE
-            body = _FMT.pack(self._seq, self._step, time.time(), self._loss, self._flags)
-            os.pwrite(self._fd, body + struct.pack("<I", zlib.crc32(body)), 0)
+            flags = self._flags | (_FLAG_SECTION if self._sections else 0)
+            body = _FMT.pack(self._seq, self._step, time.time(), self._loss, flags)
+            rec = body + struct.pack("<I", zlib.crc32(body))
+            if self._sections:
+                name, timeout_s = self._sections[-1]
+                ext = _SEC.pack(timeout_s or 0.0, name.encode())
+                rec += ext + struct.pack("<I", zlib.crc32(body[:8] + ext))
+            os.pwrite(self._fd, rec, 0)
+
+    def enter(self, name: str, timeout_s: float | None) -> None:
+        with self._lock:
+            self._sections.append((name, timeout_s))
+        self.write(None, None)
+
+    def leave(self) -> None:
+        with self._lock:
+            self._sections.pop()
+        self.write(None, None)
 
 
 _writer: _Writer | None = None
@@ -170,22 +200,58 @@ def beat() -> None:
         writer.write(None, None)
 
 
+@contextmanager
+def section(name: str, timeout_s: float | None = None) -> Iterator[None]:
+    """A known long stretch without steps (an evaluation pass, a synchronous save, a compile).
+
+    Under ``tierckpt run`` the launcher lets the rank be silent inside it until ``timeout_s``
+    after it began (None: until the launcher's hang ceiling, ``--hang-ceiling``) and then calls
+    it a hang, naming the section; a stopped process is still a hang at once. Entering and
+    leaving each write a beat. Without the launcher it only checks its arguments.
+    """
+    if not name or len(name.encode()) > _SEC_NAME_MAX:
+        raise ValueError(f"section name must be 1 to {_SEC_NAME_MAX} bytes of UTF-8, got {name!r}")
+    if timeout_s is not None and not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"section timeout_s must be positive seconds or None, got {timeout_s!r}")
+    writer = _get_writer()
+    if writer is None:
+        yield
+        return
+    writer.enter(name, timeout_s)
+    try:
+        yield
+    finally:
+        writer.leave()
+
+
 def read_beat(path: str) -> Beat | None:
     """The launcher's side: the newest record in ``path``, None if absent or torn."""
     try:
         with open(path, "rb") as f:
-            raw = f.read(_REC.size)
+            raw = f.read(_REC.size + _SEC.size + 4)
     except FileNotFoundError:
         return None
-    if len(raw) != _REC.size:
+    if len(raw) < _REC.size:
         return None
-    seq, step_, t, loss, flags, crc = _REC.unpack(raw)
+    seq, step_, t, loss, flags, crc = _REC.unpack_from(raw)
     if zlib.crc32(raw[: _FMT.size]) != crc:
         return None
+    name: str | None = None
+    timeout_s: float | None = None
+    if flags & _FLAG_SECTION:
+        ext = raw[_REC.size: _REC.size + _SEC.size]
+        if len(raw) < _REC.size + _SEC.size + 4 or \
+                zlib.crc32(raw[:8] + ext) != struct.unpack_from("<I", raw, _REC.size + _SEC.size)[0]:
+            return None  # torn between the record and its extension: read again at the next poll
+        sec_timeout, raw_name = _SEC.unpack(ext)
+        name = raw_name.rstrip(b"\0").decode(errors="replace")
+        timeout_s = sec_timeout if sec_timeout > 0 else None
     return Beat(
         seq=seq,
         step=None if step_ == _NO_STEP else step_,
         time=t,
         loss=None if math.isnan(loss) and not flags & _FLAG_NON_FINITE else loss,
         non_finite=bool(flags & _FLAG_NON_FINITE),
+        section=name,
+        section_timeout_s=timeout_s,
     )

@@ -90,9 +90,8 @@ def test_sigstop_is_a_hang(make_job: Callable[..., LocalJob]) -> None:
     fault = next(e for e in job.events(0) if e["event"] == "fault")
     # rank 1 waits in the all-reduce for the stopped rank 0: both go silent, either may be named
     assert (fault["node"], fault["rank"]) in ((0, 0), (1, 1))
-    timeout = next(e for e in job.events(0) if e["event"] == "timeout")["heartbeat_timeout_s"]
-    assert timeout == 5.0  # the floor: 3 x a 0.1 s step is less
-    assert timeout <= fault["detection_latency_s"] <= timeout + 2.0
+    # the stopped process decides (hang.py), before the 5 s beat-only floor and the idle limit
+    assert "stopped (state T)" in fault["detail"] and 3.0 <= fault["detection_latency_s"] <= 5.0, fault
 
 
 def test_nan_loss_through_monitor_step(make_job: Callable[..., LocalJob]) -> None:

@@ -10,7 +10,13 @@ and check which step was resumed.
 
 Faults on request (only in generation ``--fault-generation``, rank ``--fault-rank``):
 ``crash_on_start`` (exit 3 before the first step), ``nan`` (loss NaN at ``--fault-step``),
-``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step).
+``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step),
+``hang`` (block forever in a wait at that step, without a heartbeat: the other ranks block in
+their next all-reduce, a collective that never returns).
+``--eval-every N --eval-s S``: after every Nth step every rank (``--eval-rank R``: rank R alone,
+the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
+the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
+(sleeps) instead, like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,22 @@ def _digest(model: Any) -> str:
     return h.hexdigest()
 
 
+def _evaluate(model: Any, seconds: float, trace: Path, step: int, idle: bool = False) -> None:
+    """A busy (or ``idle``: sleeping) evaluation pass of ``seconds`` without a heartbeat, ending in an all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.time()
+    total = torch.zeros(())
+    if idle:
+        time.sleep(seconds)
+    with torch.no_grad():
+        while time.time() - t0 < seconds:
+            total += model(torch.randn(256, 32)).sum()
+    dist.all_reduce(total)
+    _trace(trace, "eval", step=step, eval_s=time.time() - t0)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=50)
@@ -52,10 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--durable-every", type=int, default=0)
     ap.add_argument("--global-mode", action="store_true",
                     help="one global DCP checkpoint (needs a durable tier across nodes); default: local mode")
-    ap.add_argument("--fault", choices=["none", "crash_on_start", "nan", "silent", "exit"], default="none")
+    ap.add_argument("--fault", choices=["none", "crash_on_start", "nan", "silent", "exit", "hang"], default="none")
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-generation", type=int, default=0, help="-1: every generation")
     ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--eval-every", type=int, default=0)
+    ap.add_argument("--eval-s", type=float, default=8.0)
+    ap.add_argument("--eval-rank", type=int, default=-1, help="-1: every rank evaluates")
+    ap.add_argument("--eval-idle", action="store_true")
+    ap.add_argument("--eval-section-timeout", type=float, default=0.0)
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -116,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             if faulty and args.fault == "exit" and step >= args.fault_step:
                 print(f"exiting at step {step} (as asked)", flush=True)
                 return 3
+            if faulty and args.fault == "hang" and step >= args.fault_step:
+                print(f"blocking forever at step {step} (as asked)", flush=True)
+                import threading
+
+                threading.Event().wait()
             if not (faulty and args.fault == "silent" and step >= args.fault_step):
                 print(f"Batch {step} Loss: {value:.5f}, Speed: {64 / max(time.time() - t_step, 1e-6):.2f} samples/sec",
                       flush=True)
@@ -123,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
             _trace(trace, "step", step=step, digest=_digest(model))
+            if args.eval_every and step % args.eval_every == 0:
+                seconds = args.eval_s if args.eval_rank in (-1, rank) else 0.0
+                if args.eval_section_timeout:
+                    with monitor.section("eval", timeout_s=args.eval_section_timeout):
+                        _evaluate(model, seconds, trace, step, idle=args.eval_idle)
+                else:
+                    _evaluate(model, seconds, trace, step, idle=args.eval_idle)
             time.sleep(max(0.0, args.step_time - (time.time() - t_step)))
         ck.wait()
     _trace(trace, "done", step=args.steps)

@@ -31,12 +31,15 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tierckpt.launcher import state as restart_state
+from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
+from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
+from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rules import RuleMonitor
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
@@ -69,6 +72,8 @@ class TierckptAgent(LocalElasticAgent):
         _remove_dead_beat_dirs(shm)
         self._beat_dir = tempfile.mkdtemp(prefix=f"{_BEAT_PREFIX}{os.getpid()}-", dir=shm)
         self._trackers: dict[int, BeatTracker] = {}
+        self._learned = Profile()  # hang evidence of earlier generations (hang.py; kept in the state file)
+        self._busy: BusyBoard | None = None  # which nodes have a busy silent rank (from the first rendezvous)
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
         self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
         self._calibrated_reported = False
@@ -88,7 +93,13 @@ class TierckptAgent(LocalElasticAgent):
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
         restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
                            {"next_generation": next_generation, "full_restarts": full_restarts,
-                            "job_started": self._job_started})
+                            "job_started": self._job_started, "hang": self._learn().to_dict()})
+
+    def _learn(self) -> Profile:
+        """What this generation's heartbeats taught, added to what earlier ones did."""
+        for tr in self._trackers.values():
+            self._learned.merge(tr.profile)
+        return self._learned
 
     @property
     def node(self) -> int:
@@ -106,7 +117,9 @@ class TierckptAgent(LocalElasticAgent):
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
+        self._busy = BusyBoard(job_store, self.node)
         st = self._load_state()
+        self._learned.merge(Profile.from_dict(st.get("hang")))
         self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
         self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
@@ -193,7 +206,8 @@ class TierckptAgent(LocalElasticAgent):
     def _arm_detectors(self, wg: WorkerGroup) -> None:
         now = time.monotonic()
         self._gen_started = time.time()
-        self._trackers = {w.local_rank: BeatTracker(self.opts.heartbeat, now) for w in wg.workers}
+        learned = self._learn()
+        self._trackers = {w.local_rank: BeatTracker(self.opts.heartbeat, now, learned) for w in wg.workers}
         for reader, _ in self._rules.values():
             reader.close()
         self._rules = {}
@@ -225,7 +239,13 @@ class TierckptAgent(LocalElasticAgent):
             return self._record("Crash", rank, detail, since=None)
         for local_rank, tr in self._trackers.items():
             tr.observe(read_beat(os.path.join(self._beat_dir, f"beat_{local_rank}")), now)
-            problem = tr.check(now)
+        # silent ranks' processes from /proc: stopped, idle or busy (hang.py)
+        board = self._busy
+        peer_busy = sample_ranks(self._trackers, self._pcontext.pids() if self._pcontext else {}, now,
+                                 None if board is None else lambda busy, ask: board.exchange(
+                                     self.generation, self.nnodes, busy, ask))
+        for local_rank, tr in self._trackers.items():
+            problem = tr.check(now, peer_busy=peer_busy[local_rank])
             if problem is not None:
                 return self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
         self._report_calibration()
@@ -264,8 +284,11 @@ class TierckptAgent(LocalElasticAgent):
             timeout = max(t.timeout() or 0.0 for t in self._trackers.values())
             self._calibrated_reported = True
             self.events.hb_timeout.set(timeout)
+            hang, learned = self.opts.heartbeat.hang, self._learn()
             self.events.emit("timeout", generation=self.generation, heartbeat_timeout_s=round(timeout, 3),
-                             longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3))
+                             longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3),
+                             idle_limit_s=round(hang.idle_limit(learned), 3),
+                             hang_ceiling_s=round(hang.ceiling(learned), 3))
 
     def _all_beat(self) -> bool:
         """Every local worker of this generation has sent its first heartbeat."""

@@ -47,7 +47,12 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1; "
                    "TIERCKPT_METRICS_HOST to change)")
     g.add_argument("--heartbeat-timeout", default="auto",
-                   help="'auto' (safety factor x the longest step interval, at least 5 s) or SECONDS")
+                   help="'auto' (default: a silent rank is a hang when its process is stopped for 3 s, makes no "
+                   "CPU progress for 5 s (more if such stalls were seen) while no other rank computes, or "
+                   "passes --hang-ceiling; docs/launcher.md) or SECONDS (a fixed timeout, nothing else)")
+    g.add_argument("--hang-ceiling", type=float, default=None,
+                   help="seconds a rank may compute without a heartbeat (default: 10 x the longest interval "
+                   "seen, at least 300 s)")
     g.add_argument("--node-timeout", type=float, default=10.0, help="an agent silent this long is a lost node")
     g.add_argument("--stop-grace", type=float, default=0.0,
                    help="SIGTERM grace (s) before SIGKILL when a fault stops workers (default: SIGKILL at once)")
@@ -112,11 +117,21 @@ def _options(args: Namespace) -> Any:
     return RunOptions(
         namespace=args.namespace, memory_dir=args.memory_dir, durable_url=args.durable_url,
         events_path=args.events, metrics_port=args.metrics_port,
-        heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s),
+        heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s,
+                                  hang=_hang_policy(args)),
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=_agent_config(args),
         warm=_warm_policy(args),
     )
+
+
+def _hang_policy(args: Namespace) -> Any:
+    from tierckpt.launcher.hang import HangPolicy
+
+    ceiling = args.hang_ceiling
+    if ceiling is not None and not (math.isfinite(ceiling) and ceiling > 0):
+        raise TierckptError(f"--hang-ceiling must be positive seconds, got {ceiling:g}")
+    return HangPolicy(ceiling_s=ceiling)
 
 
 def _warm_policy(args: Namespace) -> Any:
