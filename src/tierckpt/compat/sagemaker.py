@@ -27,6 +27,7 @@ kept; its errors derive from ``tierckpt.TierckptError`` as well.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tierckpt import layout
+from tierckpt import layout, metrics
 from tierckpt.compat.legacy import CHECKPOINT_FILE, METADATA_FILE, LegacySource, SageMakerStorageInfo
 from tierckpt.compat.sagemaker_paths import (
     DefaultS3PathStrategy,
@@ -421,6 +422,9 @@ class SageMakerTieredStorageReader(TieredStorageReader):
                 source, step, metadata = self._legacy
                 source.read_items(step, metadata, list(plan.items), planner)
                 self.tiers_used[CHECKPOINT_FILE] = "s3 (SageMaker layout)"
+                if self.reports_metrics:
+                    metrics.dcp_loaded(self.config.namespace, step, 0.0 if self._t_load is None
+                                       else time.perf_counter() - self._t_load, ["durable"])
                 fut.set_result(None)
                 return fut
             if self.step is None or self._manifest is None:

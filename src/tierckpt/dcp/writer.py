@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import guard, layout
+from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo as _StorageInfo
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import node_commit
@@ -126,6 +126,11 @@ class TieredStorageWriter(StorageWriter):
         self.files_written: list[str] = []
         self._durable_exc: StorageError | None = None
         self._synchronize_after_execute = False  # stage() returns only once the copy landed
+        self._t_write: float | None = None  # when write_data began, for the commit-seconds metric
+        #: a Checkpointer passes its runtime and reports its own saves (tierckpt_saves_total ...):
+        #: only a writer used on its own (dcp.save, the integrations, the compat API) reports here
+        self.reports_metrics = _runtime is None
+        metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: as Checkpointer, so DCP-plug-in users report too
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -231,9 +236,11 @@ class TieredStorageWriter(StorageWriter):
     # -- writing --------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
+        self._t_write = time.perf_counter()
         try:
             fut.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP collects the failure from the future
+            self._metric(metrics.dcp_failed, "memory")
             fut.set_exception(cast(Any, guard.typed(exc, step=self._step, tier="memory")))
         return fut
 
@@ -274,6 +281,7 @@ class TieredStorageWriter(StorageWriter):
             with log.timed(step, "In-memory write", snap.nbytes + len(extras)):
                 for name, source in files.items():
                     rt.memory.put_file(step, pd.save_id, name, source)
+            self._metric(metrics.dcp_written, "memory", snap.nbytes + len(extras))
             durable_error = None
             if self.durable:
                 durable = _durable_tier(rt, step)
@@ -281,6 +289,7 @@ class TieredStorageWriter(StorageWriter):
                     with log.timed(step, f"Durable write ({durable.location(step)})", snap.nbytes + len(extras)):
                         for name, source in files.items():
                             durable.put_file(step, pd.save_id, name, source)
+                    self._metric(metrics.dcp_written, "durable", snap.nbytes + len(extras))
                 except StorageError as exc:
                     durable_error = f"rank {self.rank}: {exc}"
                     self._durable_exc = exc  # the coordinator chains its own failure in finish
@@ -327,11 +336,13 @@ class TieredStorageWriter(StorageWriter):
         if self._plan_data is not None and self._plan_data.remote_nodes:
             node_commit.publish(rt, step, save_id, md_raw, mf_raw, log)
         log.info(step, "Committed to memory (%s), metadata %d bytes", rt.memory.location(step), len(md_raw))
+        self._metric(metrics.dcp_committed, "memory", step, self._since_write())
         rt.apply_retention(rt.memory, rt.memory_retention)
         if self.durable:
             durable = _durable_tier(rt, step)
             failed = sorted({i.durable_error for i in infos.values() if i.durable_error})
             if failed:
+                self._metric(metrics.dcp_failed, "durable")
                 raise DurableWriteError(
                     f"durable copy of step {step} failed on some rank (memory copy is committed): "
                     + "; ".join(failed),
@@ -340,12 +351,21 @@ class TieredStorageWriter(StorageWriter):
             try:
                 durable.commit(step, save_id, small)
             except StorageError as exc:
+                self._metric(metrics.dcp_failed, "durable")
                 raise DurableWriteError(
                     f"durable commit of step {step} failed (memory copy is committed): {exc}",
                     tier="durable", step=step,
                 ) from exc
             log.info(step, "Committed to durable (%s)", durable.location(step))
+            self._metric(metrics.dcp_committed, "durable", step, self._since_write())
             rt.apply_retention(durable, rt.durable_retention)
+
+    def _metric(self, hook: Any, tier: str, *args: Any) -> None:
+        if self.reports_metrics:
+            hook(self.config.namespace, tier, *args)
+
+    def _since_write(self) -> float:
+        return 0.0 if self._t_write is None else time.perf_counter() - self._t_write
 
 
 def _spans(
