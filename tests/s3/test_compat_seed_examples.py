@@ -41,18 +41,22 @@ def test_seed_000_writer_without_a_step_takes_it_from_checkpoint_id_and_the_read
         assert smWriter.step == step_number
     smWriter = SageMakerTieredStorageWriter(checkpoint_config, step=15)  # the step parameter takes precedence
     dist_cp.save(state_dict=model_state(15), checkpoint_id="step_99", storage_writer=smWriter)
+    smWriter = SageMakerTieredStorageWriter(checkpoint_config)  # async_save stages before it reads checkpoint_id
+    dist_cp.async_save(state_dict=model_state(12), checkpoint_id="ckpts/step_12", storage_writer=smWriter).result()
+    assert smWriter.step == 12
 
+    # memory keeps the newest 3 steps (10, 12, 15), like the seed's service
     smReader = SageMakerTieredStorageReader(config=checkpoint_config)  # the page's keyword
     state_dict = blank()
-    dist_cp.load(state_dict=state_dict, checkpoint_id="step_5", storage_reader=smReader)
-    assert_state(state_dict, 5)
-    assert smReader.step == 5
+    dist_cp.load(state_dict=state_dict, checkpoint_id="step_10", storage_reader=smReader)
+    assert_state(state_dict, 10)
+    assert smReader.step == 10
     state_dict = blank()
     dist_cp.load(state_dict=state_dict, storage_reader=SageMakerTieredStorageReader(checkpoint_config))  # newest
     assert_state(state_dict, 15)
     state_dict = blank()  # an explicit reader step wins over checkpoint_id, as the writer's does
-    dist_cp.load(state_dict=state_dict, checkpoint_id="step_5", storage_reader=SageMakerTieredStorageReader(checkpoint_config, 10))
-    assert_state(state_dict, 10)
+    dist_cp.load(state_dict=state_dict, checkpoint_id="step_10", storage_reader=SageMakerTieredStorageReader(checkpoint_config, 12))
+    assert_state(state_dict, 12)
 
 
 def test_a_save_with_no_step_anywhere_fails_with_the_seeds_message(memory_dir: str) -> None:
@@ -62,6 +66,9 @@ def test_a_save_with_no_step_anywhere_fails_with_the_seeds_message(memory_dir: s
     writer = SageMakerTieredStorageWriter(SageMakerCheckpointConfig(namespace="j", world_size=1, memory_dir=memory_dir))
     with pytest.raises(SageMakerTieredStorageError, match=r"^Invalid step value, step:-1\. path:not-a-step"):
         dist_cp.save(model_state(1), storage_writer=writer, checkpoint_id="not-a-step")
+    writer = SageMakerTieredStorageWriter(SageMakerCheckpointConfig(namespace="j", world_size=1, memory_dir=memory_dir))
+    with pytest.raises(SageMakerTieredStorageError, match=r"^Invalid step value, step:-1\. path:;"):
+        dist_cp.async_save(model_state(1), storage_writer=writer).result()  # no step anywhere: through the future
 
 
 def test_the_seeds_keywords_and_positional_order(memory_dir: str) -> None:

@@ -270,6 +270,8 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         self.save_to_s3 = bool(checkpoint_config.save_to_s3)
         super().__init__(to_tierckpt(checkpoint_config), step=resolved,
                          durable=self.save_to_s3 and not self.sagemaker_layout)
+        self.path = path  # as given (shown in the seed's "Invalid step value" message)
+        self.stage_before_step = resolved is None  # async_save's checkpoint_id arrives after staging
         self.checkpoint_config = checkpoint_config
         self._sink: Any = None
 

@@ -195,9 +195,14 @@ class TieredStorageWriter(StorageWriter):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
+    #: whether ``stage`` may run before the step is known: ``dcp.async_save`` stages before it hands
+    #: ``checkpoint_id`` to ``reset``; a subclass that takes the step from it (the SageMaker API) sets this
+    stage_before_step = False
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into a shared-memory slot; return the state dict DCP will save."""
-        step = self.step  # dcp.async_save stages first: fail before the copy if there is no step
+        # dcp.async_save stages first: fail before the copy if there is no step (unless it comes later)
+        step = self._step if self.stage_before_step else self.step
         try:
             snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
         except Exception as exc:
