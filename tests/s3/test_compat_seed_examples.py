@@ -192,3 +192,36 @@ def test_the_seed_and_the_drop_in_side_by_side_on_one_namespace(s3_env: dict[str
     assert sagemaker_library_load(state_dict, base, "job-mix", "default", None) == 20  # ... and could go back
     assert_state(state_dict, 20)
     assert torch.equal(state_dict["model"]["layer.weight"], model_state(20)["model"]["layer.weight"])
+
+
+def _drop_in_save_on_rank(rank: int, env: dict[str, str], base: str, memory_dir: str, step: int) -> int:
+    import os
+
+    from tests.s3.test_compat_sagemaker import sharded_state
+
+    os.environ.update(env)
+    config = SageMakerCheckpointConfig(namespace="job-sm2", world_size=2, s3_path_strategy=DefaultS3PathStrategy(base),
+                                       memory_dir=memory_dir, save_to_s3=True, s3_layout="sagemaker")
+    dist_cp.save(sharded_state(rank, step), storage_writer=SageMakerTieredStorageWriter(config, step=step))
+    return rank
+
+
+@pytest.mark.s3
+@pytest.mark.slow
+def test_two_ranks_write_the_sagemaker_layout_and_the_seed_reads_it_resharded(
+    s3_env: dict[str, str], bucket: str, memory_dir: str
+) -> None:
+    """Two real gloo ranks save a DTensor through the drop-in; the seed's reader loads it on one."""
+    from tests.helpers.dist import run_ranks
+    from tierckpt.compat.legacy import LegacySource
+
+    base = f"s3://{bucket}/two"
+    assert run_ranks(_drop_in_save_on_rank, 2, dict(s3_env), base, memory_dir, 8, timeout=150) == [0, 1]
+    assert {"two/job-sm2/rank_0/step_8/checkpoint.pt", "two/job-sm2/rank_1/step_8/checkpoint.pt",
+            "two/job-sm2/rank_0/step_8/metadata.metadata"} == set(s3_keys(bucket, "two/"))
+    metadata = LegacySource(DefaultS3PathStrategy(base), "job-sm2").metadata(8)
+    assert metadata is not None
+    assert {i.rank for idx, i in metadata.storage_data.items() if idx.fqn == "model.layer.weight"} == {0, 1}
+    state_dict = blank()
+    assert sagemaker_library_load(state_dict, base, "job-sm2", "default", 8) == 8
+    assert_state(state_dict, 8)
