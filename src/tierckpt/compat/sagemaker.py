@@ -95,9 +95,9 @@ class SageMakerCheckpointConfig:
     ``disk_tier_base_path`` and ``save_to_disk`` are accepted and unused, as in the seed.
     ``s3_path_strategy``: a ``DefaultS3PathStrategy`` / ``RayS3PathStrategy`` (from this module or
     the seed's), or any object with a ``base_path``; without one, ``s3_tier_base_path`` picks
-    Ray's inside Ray Train, else the default, as the seed does. tierckpt writes its own
-    ``<base>/<namespace>/step_<N>/`` layout with either; the strategy says where to find
-    checkpoints the seed wrote.
+    Ray's inside Ray Train, else the default, as the seed does. By default tierckpt writes its
+    own ``<base>/<namespace>/step_<N>/`` layout with either, and the strategy says where to find
+    checkpoints the seed wrote; with ``s3_layout="sagemaker"`` it writes the strategy's layout.
     ``memory_dir``: the node-local memory tier; ``s3``: endpoint, credentials, part size and
     retry overrides (None fields come from the standard AWS variables). ``s3_layout``: what the
     writer puts on S3, ``"tierckpt"`` (its own layout, plain DCP per step) or ``"sagemaker"``
