@@ -32,6 +32,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated:FutureWarning"),  # Lightning vs torch 2.13
     pytest.mark.filterwarnings("ignore:The '.*dataloader' does not have many workers"),
     pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),  # as with Lightning's own files
+    pytest.mark.filterwarnings("ignore:The `srun` command is available on your system"),  # a machine with Slurm's client
 ]
 
 
@@ -152,3 +153,19 @@ def test_lightning_saves_and_loads_report_tierckpt_metrics(config: CheckpointCon
         assert _sample("tierckpt_last_loaded_step", namespace="lit-h") == 4
     finally:
         tierckpt.metrics.disable()
+
+
+def test_a_run_that_did_not_resume_is_told_before_it_saves_over_earlier_steps(
+    config: CheckpointConfig, caplog: pytest.LogCaptureFixture
+) -> None:
+    checkpoint = {"global_step": 2, "state_dict": {"w": torch.ones(2)}}
+    TierckptCheckpointIO(config).save_checkpoint(checkpoint, "epoch=0-step=2.ckpt")
+    with caplog.at_level("WARNING", logger="tierckpt.integrations.lightning"):
+        TierckptCheckpointIO(config).save_checkpoint(checkpoint, "epoch=0-step=2.ckpt")
+    assert "already holds step(s) [2] from an earlier run" in caplog.text and "ckpt_path='tierckpt:latest'" in caplog.text
+    caplog.clear()
+    resumed = TierckptCheckpointIO(config)
+    resumed.load_checkpoint(LATEST)
+    with caplog.at_level("WARNING", logger="tierckpt.integrations.lightning"):
+        resumed.save_checkpoint({**checkpoint, "global_step": 4}, "epoch=1-step=4.ckpt")
+    assert "earlier run" not in caplog.text

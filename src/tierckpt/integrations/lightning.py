@@ -83,6 +83,7 @@ class TierckptCheckpointIO(_Base):
         self._paths: dict[str, int] = {}  # path Lightning used → step, for this process's saves
         self.saved_steps: list[int] = []
         self.loaded_step: int | None = None
+        self._checked_fresh_start = False
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -98,6 +99,7 @@ class TierckptCheckpointIO(_Base):
         if step in self.saved_steps:  # ModelCheckpoint's "last" copy of a step already saved
             _log.debug("step %d already saved; %s is an alias of it", step, path)
             return
+        self._warn_if_overwriting(step)
         save_tree(self.config, step, checkpoint, durable=self.durable)
         self.saved_steps.append(step)
 
@@ -117,6 +119,21 @@ class TierckptCheckpointIO(_Base):
             Path(str(path)).unlink(missing_ok=True)
             return
         _log.debug("remove_checkpoint(%s) ignored: retention is set in the CheckpointConfig", path)
+
+    def _warn_if_overwriting(self, step: int) -> None:
+        """Once per plug-in: a run that did not resume is about to save over an earlier run's steps."""
+        if self._checked_fresh_start or self.loaded_step is not None:
+            return
+        self._checked_fresh_start = True
+        tiers: list[Tier | None] = [open_memory(self.config), open_durable(self.config)]
+        earlier = sorted({s.step for tier in tiers if tier is not None for s in tier.list_steps() if s.step >= step})
+        if earlier:
+            _log.warning(
+                "namespace %r already holds step(s) %s from an earlier run, and this Trainer did not resume: "
+                "its saves replace them. To resume, pass ckpt_path=%r (or io.resume_path(), or \"last\" with "
+                "ModelCheckpoint(save_last=True)); to start over, use a new namespace",
+                self.config.namespace, earlier, LATEST,
+            )
 
     def _write_pointer(self, path: Path, step: int) -> None:
         """``last.ckpt`` for Lightning's ``ckpt_path="last"`` lookup: text, never a torch checkpoint."""
