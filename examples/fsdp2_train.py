@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/fsdp2_train.py --namespace fsdp --durable-url file:///tmp/ckpt --steps 6
     torchrun --nproc-per-node 3 examples/fsdp2_train.py --namespace fsdp --durable-url file:///tmp/ckpt --steps 8
 
-(``tierckpt run`` works in place of ``torchrun``.) Each rank holds a shard of every parameter and
+(``tierckpt run`` works in place of ``torchrun``: then ``--namespace``, ``--memory-dir`` and
+``--durable-url`` may be left out here and the launcher's are used.) Each rank holds a shard of every parameter and
 of the optimizer state (DTensors); ``Checkpointer.save`` copies the shards into shared memory and
 returns, the durable copy follows every ``--durable-every`` steps. A restart with another world
 size resumes from the newest step: DCP's planner reshards the DTensors on load. On CPU this runs
@@ -91,8 +92,9 @@ def run(cfg: tierckpt.CheckpointConfig, steps: int, *, device: str = "cpu") -> d
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--namespace", default="fsdp2-demo")
-    p.add_argument("--memory-dir", default="/dev/shm/tierckpt")
+    # unset: tierckpt run's --namespace / --memory-dir / --durable-url (else /dev/shm/tierckpt, memory only)
+    p.add_argument("--namespace", default=None, help="required unless run under tierckpt run --namespace")
+    p.add_argument("--memory-dir", default=None)
     p.add_argument("--durable-url", default=None)
     p.add_argument("--durable-every", type=int, default=2)
     p.add_argument("--steps", type=int, default=6)
@@ -102,8 +104,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
-        cfg = tierckpt.CheckpointConfig(namespace=args.namespace, memory_dir=args.memory_dir,
-                                        durable_url=args.durable_url, durable_every_n_steps=args.durable_every)
+        given = {"namespace": args.namespace, "memory_dir": args.memory_dir, "durable_url": args.durable_url}
+        cfg = tierckpt.CheckpointConfig(**{k: v for k, v in given.items() if v is not None},
+                                        durable_every_n_steps=args.durable_every)
         out = run(cfg, args.steps, device=args.device)
         if dist.get_rank() == 0:
             print(f"world {dist.get_world_size()}: resumed from {out['resumed']}, trained to step {args.steps - 1}")

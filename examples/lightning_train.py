@@ -57,8 +57,9 @@ class KillAtStep(pl.Callback):
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--namespace", default="lightning-demo")
-    p.add_argument("--memory-dir", default="/dev/shm/tierckpt")
+    # unset: tierckpt run's --namespace / --memory-dir / --durable-url (else /dev/shm/tierckpt, memory only)
+    p.add_argument("--namespace", default=None, help="required unless run under tierckpt run --namespace")
+    p.add_argument("--memory-dir", default=None)
     p.add_argument("--durable-url", default=None)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--kill-at-step", type=int, default=None)
@@ -73,8 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     loader = torch.utils.data.DataLoader(data, batch_size=32, shuffle=False)  # 2 steps per epoch
     model = TinyRegressor()
 
-    cfg = tierckpt.CheckpointConfig(namespace=args.namespace, memory_dir=args.memory_dir,
-                                    durable_url=args.durable_url, durable_every_n_steps=2)
+    given = {"namespace": args.namespace, "memory_dir": args.memory_dir, "durable_url": args.durable_url}
+    cfg = tierckpt.CheckpointConfig(**{k: v for k, v in given.items() if v is not None}, durable_every_n_steps=2)
     io = TierckptCheckpointIO(cfg)
     plugin = AsyncCheckpointIO(io) if args.async_save else io
     with tempfile.TemporaryDirectory() as scratch:  # ModelCheckpoint wants a dirpath; nothing lands there

@@ -47,7 +47,8 @@ def train_func(config: dict[str, Any]) -> None:
 
     model, optimizer = make_model()
     # durable only when reported (report() forces it); the memory tier takes every step
-    cfg = config_for_run(namespace="tierckpt", memory_dir=config["memory_dir"], durable_every_n_steps=1_000_000)
+    memory = {"memory_dir": config["memory_dir"]} if config["memory_dir"] else {}  # unset: TIERCKPT_MEMORY_DIR or default
+    cfg = config_for_run(namespace="tierckpt", durable_every_n_steps=1_000_000, **memory)
     with tierckpt.Checkpointer(cfg) as ck:
         # get_state_dict creates the optimizer state (momentum buffers) a fresh optimizer lacks:
         # a load template without those keys would silently leave them out of the resume
@@ -68,7 +69,7 @@ def train_func(config: dict[str, Any]) -> None:
                 raise RuntimeError(f"injected failure at step {step}")
 
 
-def run(storage_path: str, *, steps: int, report_every: int, fail_at: int, memory_dir: str,
+def run(storage_path: str, *, steps: int, report_every: int, fail_at: int, memory_dir: str | None,
         name: str = "tierckpt-ray") -> Any:
     """Fit a 1-worker TorchTrainer; the ``ray.train.Result``."""
     import ray
@@ -94,7 +95,7 @@ def run(storage_path: str, *, steps: int, report_every: int, fail_at: int, memor
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--storage-path", default=os.path.join(tempfile.gettempdir(), "ray-results"))
-    p.add_argument("--memory-dir", default="/dev/shm/tierckpt")
+    p.add_argument("--memory-dir", default=None, help="default: $TIERCKPT_MEMORY_DIR, else /dev/shm/tierckpt")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--report-every", type=int, default=2)
     p.add_argument("--fail-at", type=int, default=-1)

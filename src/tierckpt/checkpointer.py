@@ -3,6 +3,9 @@
 Call order (every rank, same order, same arguments):
   ck = Checkpointer(config)          one all_gather to learn which ranks share a node
   step = ck.load(state_dict)         agreed step loaded in place, or None when nothing exists
+                                     (steps that exist but no rank set can load:
+                                     NoUsableStepError; after a non-finite loss at step N,
+                                     config.resume_before = N: the newest step older than N)
   ck.register_fence(optimizer)       optional, once: the optimizer's step waits for an
                                      overlapped save's copy (a module: its forward does)
   ck.reserve(state_dict)             optional: allocate the slots ahead of the first save
@@ -129,6 +132,11 @@ class Checkpointer:
         explicitly, and every later save, load, wait and close does too. ``check_snapshot``
         (debug mode, costs a hash of the state at the call) detects a change before the fence:
         the handle then fails with ``SnapshotChangedError`` naming the key.
+
+        A save made after a non-finite ``tierckpt.monitor.step`` (and before a finite one), or
+        whose commit is still running when a non-finite ``monitor.step`` of its step or an
+        earlier one arrives, is committed on no rank: ``handle.skipped`` says why, with a
+        warning; the handle and ``wait`` do not raise.
         """
         self._check_open()
         layout.validate_step(step)
@@ -181,6 +189,11 @@ class Checkpointer:
     ) -> int | None:
         """Load the newest loadable step (or ``step``) in place; None when nothing exists.
 
+        Committed steps that exist but that no rank set can load raise ``NoUsableStepError``
+        (never None). Without ``step``, and before this Checkpointer's first save,
+        ``config.resume_before`` (``TIERCKPT_RESUME_BEFORE``, set by ``tierckpt run`` after a
+        non-finite loss) keeps only older steps.
+
         ``strict=True`` refuses dtype casts and checkpoint keys the state dict does not load
         (StateDictMismatchError; by default each is a warning). ``trusted`` overrides the
         config's: True unpickles the checkpoint's objects without the allow-list.
@@ -189,7 +202,9 @@ class Checkpointer:
         if step is not None:
             layout.validate_step(step)
         self._save.settle()  # a load after a save sees that save and its durable copy
-        return self._loader.load(state_dict, step, strict=strict, trusted=trusted)
+        # the bound is for resuming: once this job saved again (held back while non-finite), its steps count
+        before = self.config.resume_before if step is None and self._save.saves_made == 0 else None
+        return self._loader.load(state_dict, step, strict=strict, trusted=trusted, resume_before=before)
 
     def steps(self) -> list[StepInfo]:
         """Committed steps this rank can see, oldest first, with the tiers that hold them."""

@@ -1,7 +1,8 @@
 """Configuration values for tierckpt: frozen, keyword-only, validated on construction.
 
-This is the only module that reads the environment (``CheckpointConfig.from_env``);
-everything else receives a config value.
+This is the only module that reads the environment (``CheckpointConfig.from_env``, and the
+launcher's settings that ``CheckpointConfig(...)`` takes for the fields its caller left
+unset: ``launcher_settings``); everything else receives a config value.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ import dataclasses
 import logging
 import os
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,10 +22,49 @@ from urllib.parse import unquote, urlparse
 
 from tierckpt.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "DurableLocation", "S3Settings", "validate_namespace"]
+__all__ = ["CheckpointConfig", "DurableLocation", "S3Settings", "launcher_settings", "validate_namespace"]
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 DEFAULT_MEMORY_DIR = "/dev/shm/tierckpt"
+
+#: the variables ``tierckpt run`` exports to its workers, by the CheckpointConfig field they fill
+LAUNCHER_ENV = {
+    "namespace": "TIERCKPT_NAMESPACE",
+    "memory_dir": "TIERCKPT_MEMORY_DIR",
+    "durable_url": "TIERCKPT_DURABLE_URL",
+    "resume_before": "TIERCKPT_RESUME_BEFORE",
+}
+
+
+class _Unset(str):
+    """A field default that the launcher's environment may replace (the caller did not set it)."""
+
+
+_NO_NAMESPACE = _Unset("")
+_MEMORY_DIR_DEFAULT = _Unset(DEFAULT_MEMORY_DIR)
+_NO_DURABLE = _Unset("")  # durable_url left unset: the launcher's, else None (explicit None: memory only)
+_replacing: ContextVar[bool] = ContextVar("tierckpt_config_replacing", default=False)
+
+
+def launcher_settings(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The settings ``tierckpt run`` exported (``LAUNCHER_ENV``), by field name; unset ones absent.
+
+    ``TIERCKPT_RESUME_BEFORE=N`` (set after a non-finite loss at step N) becomes ``resume_before``.
+    """
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, var in LAUNCHER_ENV.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        if name == "resume_before":
+            try:
+                out[name] = int(raw)
+            except ValueError:
+                raise ConfigError(f"{var}={raw!r} is not a whole number (the step of a non-finite loss)") from None
+        else:
+            out[name] = raw
+    return out
 
 
 def validate_namespace(namespace: object) -> str:
@@ -126,9 +169,12 @@ class DurableLocation:
 class CheckpointConfig:
     """Everything a Checkpointer, writer or reader needs to know.
 
-    namespace              the run's name: ``[A-Za-z0-9_-]{1,128}``
-    memory_dir             node-local memory tier root (a tmpfs such as /dev/shm)
-    durable_url            ``file:///path`` or ``s3://bucket/prefix``; None = memory only
+    namespace              the run's name: ``[A-Za-z0-9_-]{1,128}``; unset: the launcher's
+                           (``tierckpt run --namespace``, TIERCKPT_NAMESPACE)
+    memory_dir             node-local memory tier root (a tmpfs such as /dev/shm); unset: the
+                           launcher's (``--memory-dir``, TIERCKPT_MEMORY_DIR), else /dev/shm/tierckpt
+    durable_url            ``file:///path`` or ``s3://bucket/prefix``; None = memory only; unset:
+                           the launcher's (``--durable-url``, TIERCKPT_DURABLE_URL), else None
     memory_steps_retained  newest N committed steps kept in memory (N >= 1)
     durable_every_n_steps  the durable policy: saves with ``durable=None`` go durable when
                            ``step % N == 0``; 0 = only when asked (``durable=True``)
@@ -143,11 +189,18 @@ class CheckpointConfig:
     trusted                load non-tensor objects without the allow-list (only for checkpoints
                            whose writers you trust: unpickling can run code)
     allowed_classes        classes/functions a load may unpickle beyond the allow-list
+    resume_before          ``load()`` without a step loads the newest step older than this one
+                           (the launcher sets TIERCKPT_RESUME_BEFORE=N after a non-finite loss at
+                           step N); None: the launcher's, else no bound
+
+    Fields left unset take the launcher's settings; an explicit value that differs from the
+    launcher's wins, with a warning naming both in a worker of ``tierckpt run`` (once per
+    process and value).
     """
 
-    namespace: str
-    memory_dir: str = DEFAULT_MEMORY_DIR
-    durable_url: str | None = None
+    namespace: str = _NO_NAMESPACE
+    memory_dir: str = _MEMORY_DIR_DEFAULT
+    durable_url: str | None = _NO_DURABLE
     memory_steps_retained: int = 2
     durable_every_n_steps: int = 1
     durable_steps_retained: int | None = None
@@ -158,8 +211,10 @@ class CheckpointConfig:
     logger: logging.Logger | None = None
     trusted: bool = False
     allowed_classes: tuple[Any, ...] = ()
+    resume_before: int | None = None
 
     def __post_init__(self) -> None:
+        self._take_launcher_settings()
         validate_namespace(self.namespace)
         if not isinstance(self.memory_dir, str) or not os.path.isabs(self.memory_dir):
             raise ConfigError(f"memory_dir must be an absolute path, got {self.memory_dir!r}")
@@ -182,6 +237,34 @@ class CheckpointConfig:
             raise ConfigError(f"trusted must be True or False, got {self.trusted!r}")
         if not isinstance(self.allowed_classes, tuple) or not all(callable(c) for c in self.allowed_classes):
             raise ConfigError("allowed_classes must be a tuple of classes or functions, e.g. (MyState,)")
+        if self.resume_before is not None:
+            _check_int("resume_before", self.resume_before, minimum=0)
+
+    def _take_launcher_settings(self) -> None:
+        """Fill the fields the caller left unset from ``tierckpt run``'s environment; warn on conflicts."""
+        launcher = {} if _replacing.get() else launcher_settings()
+        # a conflict is worth a warning only in a worker of tierckpt run (it sets the generation);
+        # elsewhere (a shell's TIERCKPT_* for the CLI, the node agent) explicit values are just values
+        in_worker = bool(launcher) and os.environ.get("TIERCKPT_GENERATION") is not None
+        unset = {"namespace": type(self.namespace) is _Unset, "memory_dir": type(self.memory_dir) is _Unset,
+                 "durable_url": type(self.durable_url) is _Unset, "resume_before": self.resume_before is None}
+        for name, is_unset in unset.items():
+            value = getattr(self, name)
+            if is_unset:
+                value = launcher.get(name, None if name in ("durable_url", "resume_before") else str(value))
+                object.__setattr__(self, name, value)
+            elif in_worker and name in launcher and launcher[name] != value:
+                warnings.warn(
+                    f"CheckpointConfig({name}={value!r}) differs from the launcher's {LAUNCHER_ENV[name]}="
+                    f"{launcher[name]!r} (tierckpt run); using {value!r}. Leave {name} unset to follow the "
+                    "launcher (its agent, replicas and restart state use the launcher's settings)",
+                    UserWarning, stacklevel=4,
+                )
+        if not self.namespace:
+            raise ConfigError(
+                "no namespace: pass CheckpointConfig(namespace='run1'), or run under "
+                "`tierckpt run --namespace run1` (which exports TIERCKPT_NAMESPACE)"
+            )
 
     @property
     def durable(self) -> DurableLocation | None:
@@ -204,7 +287,8 @@ class CheckpointConfig:
         unknown = sorted(set(changes) - names)
         if unknown:
             raise ConfigError(f"unknown CheckpointConfig field(s): {', '.join(unknown)}")
-        return dataclasses.replace(self, **changes)
+        with _no_launcher():  # every field is already resolved: a derived copy is not a new conflict
+            return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_env(
@@ -214,8 +298,8 @@ class CheckpointConfig:
 
         TIERCKPT_NAMESPACE, TIERCKPT_MEMORY_DIR, TIERCKPT_DURABLE_URL,
         TIERCKPT_MEMORY_STEPS_RETAINED, TIERCKPT_DURABLE_EVERY_N_STEPS,
-        TIERCKPT_DURABLE_STEPS_RETAINED, TIERCKPT_MEMORY_BUDGET_BYTES, TIERCKPT_IO_THREADS;
-        S3 overrides: TIERCKPT_S3_PART_SIZE, TIERCKPT_S3_MAX_CONCURRENCY.
+        TIERCKPT_DURABLE_STEPS_RETAINED, TIERCKPT_MEMORY_BUDGET_BYTES, TIERCKPT_IO_THREADS,
+        TIERCKPT_RESUME_BEFORE; S3 overrides: TIERCKPT_S3_PART_SIZE, TIERCKPT_S3_MAX_CONCURRENCY.
         """
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
@@ -228,6 +312,7 @@ class CheckpointConfig:
             ("durable_steps_retained", int),
             ("memory_budget_bytes", int),
             ("io_threads", int),
+            ("resume_before", int),
         ):
             raw = env.get(f"TIERCKPT_{name.upper()}")
             if raw is not None and raw != "":
@@ -252,7 +337,17 @@ class CheckpointConfig:
         unknown = sorted(set(values) - names)
         if unknown:
             raise ConfigError(f"unknown CheckpointConfig field(s): {', '.join(unknown)}")
-        return cls(**values)
+        with _no_launcher():  # the environment is read above (or the caller chose it); overrides win quietly
+            return cls(**values)
+
+
+@contextmanager
+def _no_launcher() -> Iterator[None]:
+    token = _replacing.set(True)
+    try:
+        yield
+    finally:
+        _replacing.reset(token)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:

@@ -3,7 +3,8 @@
     TierckptError                      root; every error tierckpt raises derives from it
     ├── ConfigError (ValueError)       a bad setting: namespace, URL, step, budget field
     ├── CheckpointNotFoundError (FileNotFoundError)
-    │                                  the asked-for step does not exist in any tier
+    │   │                              the asked-for step does not exist in any tier
+    │   └── NoUsableStepError          committed steps exist, but none every rank can load
     ├── IntegrityError                 a copy failed its checksum and no good copy is left
     │   └── SnapshotChangedError       an overlapped save's source changed before its copy (debug mode)
     ├── StateDictMismatchError (ValueError)
@@ -16,6 +17,8 @@
     ├── StorageError (OSError)         a tier's I/O failed (disk full, permission, network)
     │   └── DurableWriteError          the durable copy of a step failed; memory is intact
     ├── ProtocolError                  peers disagree (world size, save ids) or broke the call order
+    ├── NonFiniteLossError             a save was held back: the loss was non-finite (monitor.step);
+    │                                  Checkpointer reports it as SaveHandle.skipped, not as a failure
     └── CheckpointFailedError          DCP's CheckpointException (a BaseException), made catchable
 """
 
@@ -31,6 +34,8 @@ __all__ = [
     "IntegrityError",
     "LoadMismatchWarning",
     "MemoryBudgetError",
+    "NoUsableStepError",
+    "NonFiniteLossError",
     "ProtocolError",
     "SnapshotChangedError",
     "StateDictMismatchError",
@@ -94,6 +99,31 @@ class CheckpointNotFoundError(TierckptError, FileNotFoundError):
     exit_code = 3
 
 
+class NoUsableStepError(CheckpointNotFoundError):
+    """Committed steps exist (in a memory root, under other ranks' names, or in another tier),
+    but no step is complete for every rank; nothing was loaded.
+
+    Raised by a load without an explicit step instead of returning ``None`` (which means "no
+    checkpoint at all": start fresh). ``steps`` are the committed steps found anywhere, oldest
+    first; ``missing`` maps each of them to what keeps some rank from loading it. The message
+    says which rank holds what and what to do (same ranks on the same nodes, ``--replicas 1``,
+    a durable tier).
+    """
+
+    def __init__(self, message: str, *, steps: tuple[int, ...] = (), missing: dict[int, str] | None = None,
+                 **context: Any) -> None:
+        super().__init__(message, **context)
+        self.steps = tuple(steps)
+        self.missing: dict[int, str] = dict(missing or {})
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_unusable, (self.message, self.steps, self.missing, self.rank))
+
+
+def _rebuild_unusable(message: str, steps: tuple[int, ...], missing: dict[int, str], rank: int | None) -> NoUsableStepError:
+    return NoUsableStepError(message, steps=steps, missing=missing, rank=rank)
+
+
 class IntegrityError(TierckptError):
     """A stored copy failed verification and no good copy remains."""
 
@@ -126,6 +156,15 @@ class ProtocolError(TierckptError):
     """Ranks disagree with each other, or an interface was called out of order."""
 
     exit_code = 8
+
+
+class NonFiniteLossError(TierckptError):
+    """A save was not committed because ``tierckpt.monitor.step`` reported a non-finite loss.
+
+    Raised inside the commit (on any rank: the save is then committed nowhere);
+    ``Checkpointer.save`` turns it into ``SaveHandle.skipped`` (the reason) and a warning, so
+    a training loop keeps running until the launcher restarts it from an older step.
+    """
 
 
 class UnsaveableObjectError(TierckptError, TypeError):

@@ -22,7 +22,9 @@ class SaveHandle:
     Three stages, each a future: ``wait_staged()`` (the state is copied out of the caller's
     tensors: they may change now), ``memory_committed()`` and ``result()`` / ``wait()`` (done
     everywhere it was asked to go). A blocking save returns already staged; an overlapped
-    save (``overlap=True``) returns before.
+    save (``overlap=True``) returns before. ``skipped`` is the reason the step was not committed
+    although nothing failed (a non-finite loss reported by ``tierckpt.monitor.step`` before the
+    commit); the stages then finish without error.
     """
 
     def __init__(self, step: int, durable: bool, blocking_s: float) -> None:
@@ -32,6 +34,7 @@ class SaveHandle:
         self._staged: Future[None] = Future()
         self._memory: Future[None] = Future()
         self._future: Future[None] = Future()
+        self.skipped: str | None = None  #: why the step was not committed (a non-finite loss), or None
 
     @property
     def staged(self) -> bool:
@@ -57,6 +60,12 @@ class SaveHandle:
 
     def exception(self) -> BaseException | None:
         return self._future.exception() if self._future.done() else None
+
+    def _skip(self, reason: str) -> None:
+        """Finish every stage without committing (committer thread): ``skipped`` says why."""
+        self.skipped = reason
+        for future in (self._staged, self._memory, self._future):
+            settle(future)
 
     def _fail(self, exc: BaseException) -> None:
         """Record a failure on every stage not yet finished (committer thread)."""

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from tierckpt import guard, localmode, metrics
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StateDictMismatchError
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, NoUsableStepError, StateDictMismatchError
 from tierckpt.observability import StepLogger
 from tierckpt.runtime import RankRuntime
 
@@ -43,16 +43,35 @@ class Loader:
         self.last_load: dict[str, Any] = {}
 
     def load(self, state_dict: dict[str, Any], step: int | None, *, strict: bool = False,
-             trusted: bool | None = None) -> int | None:
-        """Load the newest loadable step (or ``step``) in place; None when nothing exists."""
+             trusted: bool | None = None, resume_before: int | None = None) -> int | None:
+        """Load the newest loadable step (or ``step``) in place; None when nothing exists.
+
+        Steps that exist but that no rank set can load raise NoUsableStepError; without
+        ``step``, ``resume_before`` (the launcher's, after a non-finite loss; the caller
+        decides whether it applies, the same on every rank) bounds the step from above.
+        """
         checks: dict[str, Any] = {"strict": strict, "trusted": trusted, "verify_ahead": False}  # checked while read
-        if self.config.local_mode:
-            return self._load_local(state_dict, step, checks)
+        before = resume_before if step is None else None
+        if before is not None:
+            self.log.warning(None, "resume_before=%d (TIERCKPT_RESUME_BEFORE, set by tierckpt run after a non-finite "
+                             "loss at step %d): loading the newest step older than %d, not a newer one the "
+                             "non-finite values may have reached", before, before, before)
+        loaded = self._load_local(state_dict, step, checks, before) if self.config.local_mode else \
+            self._load_global(state_dict, step, checks, before)
+        if loaded is None and before is not None:
+            self.log.warning(None, "no committed step older than %d exists (resume_before): starting from scratch",
+                             before)
+        return loaded
+
+    def _load_global(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any],
+                     before: int | None) -> int | None:
+        """Global mode: one ``dcp.load`` per try; a damaged newest step retries with it excluded."""
         excluded: list[int] = []
         failures: list[tuple[int, str]] = []
+        config = self.config if self.config.resume_before == before else self.config.replace(resume_before=before)
         while True:
             reader = TieredStorageReader(
-                self.config, step, process_group=self.group, exclude_steps=excluded,
+                config, step, process_group=self.group, exclude_steps=excluded,
                 expect=state_dict, _runtime=self.runtime, **checks,
             )
             t0 = time.perf_counter()
@@ -62,6 +81,8 @@ class Loader:
                     dcp_load(state_dict, storage_reader=reader, process_group=self.group)
             except CheckpointException as exc:
                 err = reader.failure or guard.typed(exc)  # the first tierckpt error inside DCP's wrapper
+                if isinstance(err, NoUsableStepError):  # steps exist, none for every rank: never "fresh"
+                    raise err from err.__cause__
                 if isinstance(err, CheckpointNotFoundError) and step is None and not excluded:
                     self.log.info(None, "no checkpoint found; starting fresh")
                     return None
@@ -82,12 +103,14 @@ class Loader:
             self.log.info(reader.step, "loaded in %.3fs from %s", self.last_load["seconds"], self.last_load["tiers"])
             return reader.step
 
-    def _load_local(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any]) -> int | None:
+    def _load_local(self, state_dict: dict[str, Any], step: int | None, checks: dict[str, Any],
+                    before: int | None) -> int | None:
         """Local mode: agree on a step every rank holds, then each rank reads only its own shards."""
         local_sd = localmode.localize(state_dict)
         excluded: set[int] = set()
         while True:
-            chosen = localmode.agree(self.runtime, step, excluded, self.agree_group)
+            chosen = localmode.agree(self.runtime, self.config, step, excluded, self.agree_group,
+                                     before=before)
             if chosen is None:
                 if excluded:
                     raise IntegrityError(f"no step loads on every rank; failed: {sorted(excluded)}")

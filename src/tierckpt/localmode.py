@@ -14,15 +14,19 @@ Call order (every rank): ``localize(state_dict)`` → stage / save as usual with
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import gather
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, NoUsableStepError, StorageError
 from tierckpt.runtime import RankRuntime
+from tierckpt.tiers import open_memory
 
 __all__ = ["agree", "confirm", "localize", "write_back"]
 
@@ -60,24 +64,94 @@ def write_back(original: Any, loaded: Any) -> None:
                 original[i] = loaded[i]
 
 
-def agree(rt: RankRuntime, requested: int | None, exclude: set[int], group: dist.ProcessGroup | None) -> int | None:
-    """The newest step (or ``requested``) that every rank holds in some tier; None if none."""
+def agree(rt: RankRuntime, base: CheckpointConfig, requested: int | None, exclude: set[int],
+          group: dist.ProcessGroup | None, *, before: int | None = None) -> int | None:
+    """The newest step (or ``requested``) that every rank holds in some tier; None if none exists.
+
+    ``before`` (``resume_before``; the smallest of all ranks' applies) keeps only older steps
+    when no step is requested. Committed steps that exist (this rank's own, or other ranks'
+    under their names in this rank's memory root) while no step is held by every rank →
+    NoUsableStepError naming who holds what: never None, which means "start fresh".
+    """
     mine: set[int] = {s.step for s in rt.memory.list_steps()}
     if rt.durable is not None:
         try:
             mine |= {s.step for s in rt.durable.list_steps()}
         except StorageError as exc:
             rt.log.warning(None, "durable tier unavailable, using memory only: %s", exc)
-    everyone = gather(sorted(mine - exclude), group)
-    common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
-    anywhere = set().union(*everyone) if everyone else set()
+    world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    everyone = gather(_Held(rt.rank, tuple(sorted(mine - exclude)), _foreign(base, rt.rank, world), before), group)
     if requested is not None:
+        anywhere = set().union(*(h.own for h in everyone))
         if requested not in anywhere:
             raise CheckpointNotFoundError(f"step {requested} does not exist on any rank", step=requested)
-        if requested not in common:
+        if not all(requested in h.own for h in everyone):
             raise IntegrityError(f"step {requested} is missing on some ranks (local mode)", step=requested)
         return requested
-    return max(common) if common else None
+    limit = min((h.before for h in everyone if h.before is not None), default=None)
+    held = [h.below(limit) for h in everyone]
+    common = set(held[0].own).intersection(*(h.own for h in held[1:]))
+    if common:
+        return max(common)
+    if any(h.own or h.foreign for h in held):
+        raise _unusable(held, base.namespace)
+    return None
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What one rank holds: its own committed steps, other ranks' steps in its memory root."""
+
+    rank: int
+    own: tuple[int, ...]
+    foreign: dict[int, tuple[int, ...]]  # other rank → its committed steps found in this memory root
+    before: int | None = None
+
+    def below(self, limit: int | None) -> _Held:
+        if limit is None:
+            return self
+        foreign = {r: tuple(s for s in steps if s < limit) for r, steps in self.foreign.items()}
+        return _Held(self.rank, tuple(s for s in self.own if s < limit), {r: s for r, s in foreign.items() if s}, None)
+
+
+def _foreign(base: CheckpointConfig, rank: int, world: int) -> dict[int, tuple[int, ...]]:
+    """Committed steps other ranks saved (under their own names) into this rank's memory root."""
+    out: dict[int, tuple[int, ...]] = {}
+    for other in range(world):
+        if other != rank:
+            steps = tuple(s.step for s in open_memory(base.rank_local(other)).list_steps())
+            if steps:
+                out[other] = steps
+    return out
+
+
+def _unusable(held: list[_Held], namespace: str) -> NoUsableStepError:
+    steps = sorted(set().union(*(set(h.own) | set().union(*h.foreign.values()) for h in held)))
+    found, missing = [], {}
+    for h in held:
+        others = "".join(f", and rank {r}'s steps {_nums(s)} (namespace {namespace}--rank{r})"
+                         for r, s in sorted(h.foreign.items()))
+        found.append(f"rank {h.rank} holds {'steps ' + _nums(h.own) if h.own else 'no step of its own'}{others}")
+    for step in steps:
+        lacking = [h.rank for h in held if step not in h.own]
+        missing[step] = f"ranks {_nums(lacking)} hold no copy of their own"
+    return NoUsableStepError(
+        f"local mode: namespace {namespace!r} has committed steps {_nums(steps)} but no step that every "
+        f"rank holds under its own name: {'; '.join(found)}. To resume: {_ADVICE}",
+        steps=tuple(steps), missing=missing,
+    )
+
+
+_ADVICE = (
+    "local mode loads each rank's own files from its own memory root or the durable tier, so restart "
+    "every rank on the node that saved them (tierckpt run keeps a node's ranks across restarts where it "
+    "can), or give the job a durable tier (durable_url); peer replicas (--replicas 1) serve global mode "
+    "only; to start over on purpose, use a new namespace"
+)
+
+
+def _nums(values: Iterable[int]) -> str:
+    return ", ".join(map(str, values))
 
 
 def confirm(ok: bool, group: dist.ProcessGroup | None) -> bool:

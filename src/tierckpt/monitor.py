@@ -11,6 +11,11 @@ local rank writes one small record into a file of the launcher's (``TIERCKPT_MON
 ``LOCAL_RANK``); the launcher polls it every monitor interval. Writing costs one ``pwrite`` of
 48 bytes and never blocks on the launcher. Without the launcher every call is a no-op
 (a non-finite loss is still logged once).
+
+A non-finite loss also holds back this process's saves: ``Checkpointer.save`` takes a
+``watch_save(step)`` and does not commit while its ``reason()`` is set, i.e. when the save was
+made after a non-finite ``step()`` with no finite one since, or when a non-finite ``step(M)``
+with M <= the save's step arrives before its commit.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import time
 import zlib
 from dataclasses import dataclass
 
-__all__ = ["NON_FINITE_LOSS", "Beat", "beat", "read_beat", "step"]
+__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "step", "watch_save"]
 
 NON_FINITE_LOSS = "NonFiniteLoss"
 # seq, step, wall time, loss, flags (bit 0: loss is non-finite), crc32 of the rest
@@ -72,6 +77,56 @@ class _Writer:
 _writer: _Writer | None = None
 _writer_pid: int | None = None
 _warned_non_finite = False
+_health_lock = threading.Lock()
+_non_finite_since: int | None = None  # first non-finite step not yet followed by a finite loss
+_watches: set[SaveWatch] = set()
+
+
+class SaveWatch:
+    """One save waiting to commit: ``reason()`` says why it must not be committed, or None.
+
+    Created by ``watch_save`` (``Checkpointer.save``), checked before the commit, closed after.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        with _health_lock:
+            self._since = _non_finite_since  # the save was made while the loss was non-finite
+            self._arrived: int | None = None  # a non-finite step <= self.step reported after the save
+            _watches.add(self)
+
+    def reason(self) -> str | None:
+        with _health_lock:
+            since, arrived = self._since, self._arrived
+        if since is not None:
+            return (f"the loss was non-finite at step {since} (tierckpt.monitor.step) and no finite loss "
+                    "was reported since; the state may hold non-finite values")
+        if arrived is not None:
+            return (f"a non-finite loss at step {arrived} (tierckpt.monitor.step) was reported before "
+                    f"step {self.step} committed; the state may hold non-finite values")
+        return None
+
+    def close(self) -> None:
+        with _health_lock:
+            _watches.discard(self)
+
+
+def watch_save(step: int) -> SaveWatch:
+    """A ``SaveWatch`` for a save of ``step`` made now; ``close()`` it once committed or failed."""
+    return SaveWatch(step)
+
+
+def _record_health(step: int, bad: bool, finite_loss: bool) -> None:
+    global _non_finite_since
+    with _health_lock:
+        if bad:
+            if _non_finite_since is None:
+                _non_finite_since = int(step)
+            for watch in _watches:
+                if step <= watch.step and watch._arrived is None:
+                    watch._arrived = int(step)
+        elif finite_loss:
+            _non_finite_since = None
 
 
 def _get_writer() -> _Writer | None:
@@ -90,7 +145,8 @@ def step(step: int, loss: float | None = None, **metrics: float) -> None:
     """Report that training step ``step`` finished, with its loss; a NaN or Inf loss is a fault.
 
     ``metrics`` (e.g. ``samples_per_s=...``) are accepted for forward compatibility and
-    currently only checked for finiteness like the loss.
+    currently only checked for finiteness like the loss. A non-finite value also holds back this
+    process's saves (``Checkpointer.save``) until a later step reports a finite loss.
     """
     global _warned_non_finite
     bad = loss is not None and not math.isfinite(float(loss))
@@ -98,6 +154,7 @@ def step(step: int, loss: float | None = None, **metrics: float) -> None:
         if not math.isfinite(float(value)):
             bad = True
             _log.warning("step %s: metric %s is %s", step, name, value)
+    _record_health(step, bad, loss is not None)
     writer = _get_writer()
     if bad and not _warned_non_finite:
         _warned_non_finite = True

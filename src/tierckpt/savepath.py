@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from tierckpt import guard, localmode, metrics, monitor
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.drain import DrainQueue
+from tierckpt.errors import NonFiniteLossError
 from tierckpt.handles import SaveHandle, settle
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.runtime import RankRuntime
@@ -68,6 +69,7 @@ class SavePath:
         except Exception as exc:
             raise (err := guard.typed(exc, step=step)) from err.__cause__
         handle = SaveHandle(step, go_durable, 0.0)
+        watch = monitor.watch_save(step)  # a non-finite loss before the commit holds it back
         if overlap:
             self._pending = snap
             if snap._copy is not None:  # CPU: staged as soon as the copy thread is done
@@ -83,11 +85,16 @@ class SavePath:
         metrics.save_staged(self.runtime, handle, snap.nbytes)
         self.log.info(step, "%s %d bytes in shared memory in %s; committing in the background",
                       "started copying" if overlap else "staged", snap.nbytes, throughput(snap.nbytes, blocking))
-        self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle)
+        self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle, watch)
         self._handles = [h for h in self._handles if not h.done()] + [handle]
         if snap.nbytes != self._reserved_for:  # a first save or a new size: start now; else after the commit
             self.reserve(snap.nbytes)
         return handle
+
+    @property
+    def saves_made(self) -> int:
+        """Saves this path has run the commit of (committed or not): the same count on every rank."""
+        return self._saves
 
     def fence(self) -> None:
         """Order what the caller does next after the pending overlapped copy; never raises."""
@@ -164,9 +171,18 @@ class SavePath:
         except CheckpointException as exc:
             raise (err := guard.typed(exc)) from err.__cause__
 
-    def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle) -> None:
+    def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle,
+                watch: monitor.SaveWatch) -> None:
+        try:
+            self._commit_watched(step, snap, go_durable, handle, watch)
+        finally:
+            watch.close()
+
+    def _commit_watched(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle,
+                        watch: monitor.SaveWatch) -> None:
         writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
         writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
+        writer._gate = watch.reason  # checked on every rank before the commit: any rank's veto holds for all
         try:
             self._staged(snap, handle)  # an overlapped copy lands (or fails) here
             self._write_memory(writer, snap)
@@ -176,6 +192,10 @@ class SavePath:
             failure = guard.typed(raw, step=step)
             if writer._snapshot is not None:  # failed before write_data took the slot
                 self.runtime.stager.release(snap)
+            if isinstance(failure, NonFiniteLossError):
+                self.log.warning(step, "save skipped, nothing committed: %s", failure.message)
+                handle._skip(failure.message)
+                return
             self.log.warning(step, "save failed: %s", failure)
             metrics.save_failed(self.runtime, handle)
             handle._fail(failure)

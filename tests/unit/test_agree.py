@@ -58,3 +58,26 @@ def test_unreadable_durable_tier_is_not_reported_as_no_checkpoint() -> None:
         choose_step(avail, None, namespace="n")
     ok = [Availability(0, {4: F({"a"})}, {4: F({"a"})}, frozenset(), {}, "connection refused")]
     assert choose_step(ok, None, namespace="n").step == 4  # type: ignore[union-attr]
+
+
+def test_steps_no_rank_set_can_load_raise_naming_who_holds_what() -> None:
+    from tierckpt import NoUsableStepError
+
+    files = {5: {"__0_0.distcp", "__1_0.distcp"}}  # ranks swapped nodes: each holds the other's file
+    avail = [node(0, {5: {"__1_0.distcp"}}, all_files=files), node(1, {5: {"__0_0.distcp"}}, all_files=files)]
+    with pytest.raises(NoUsableStepError) as info:
+        choose_step(avail, None, namespace="n")
+    err = info.value
+    assert isinstance(err, CheckpointNotFoundError) and err.steps == (5,) and set(err.missing) == {5}
+    assert "rank 0's memory tier holds step 5 (__1_0.distcp)" in str(err)
+    assert "--replicas 1" in str(err) and "durable tier" in str(err)
+
+
+def test_resume_before_takes_the_lowest_bound_of_any_rank() -> None:
+    both = {"a", "b"}
+    avail = [Availability(0, {s: F(both) for s in (2, 3, 4)}, {s: F(both) for s in (2, 3, 4)}, F(), {}, None, {}, 4),
+             Availability(1, {s: F(both) for s in (2, 3, 4)}, {s: F(both) for s in (2, 3, 4)}, None, {}, None, {}, 3)]
+    assert choose_step(avail, None, namespace="n").step == 2  # type: ignore[union-attr]
+    assert choose_step(avail, 4, namespace="n").step == 4  # type: ignore[union-attr]  # explicit: unbounded
+    low = [Availability(0, {4: F(both)}, {4: F(both)}, F(), {}, None, {}, 4)]
+    assert choose_step(low, None, namespace="n") is None  # only steps at or after the bound: start over

@@ -55,7 +55,7 @@ def test_public_surface_is_frozen() -> None:
     assert set(tierckpt.__all__) == {
         "CheckpointConfig", "CheckpointFailedError", "CheckpointNotFoundError", "Checkpointer", "ConfigError",
         "DurableWriteError", "UnsaveableObjectError", "UnsafeObjectError", "SnapshotChangedError",
-        "IntegrityError", "MemoryBudgetError", "S3Settings", "SaveHandle", "StateDictMismatchError", "StepInfo",
+        "IntegrityError", "MemoryBudgetError", "NoUsableStepError", "S3Settings", "SaveHandle", "StateDictMismatchError", "StepInfo",
         "StorageError", "TieredStorageReader", "TieredStorageWriter", "TierckptError",
     }
     for name in tierckpt.__all__:
@@ -64,6 +64,7 @@ def test_public_surface_is_frozen() -> None:
             assert issubclass(obj, tierckpt.TierckptError)
     assert issubclass(tierckpt.CheckpointNotFoundError, FileNotFoundError)
     assert issubclass(tierckpt.ConfigError, ValueError)
+    assert issubclass(tierckpt.NoUsableStepError, tierckpt.CheckpointNotFoundError)
 
 
 def test_config_fields_are_frozen() -> None:
@@ -72,7 +73,7 @@ def test_config_fields_are_frozen() -> None:
     assert [f.name for f in dataclasses.fields(tierckpt.CheckpointConfig)] == [
         "namespace", "memory_dir", "durable_url", "memory_steps_retained", "durable_every_n_steps",
         "durable_steps_retained", "memory_budget_bytes", "io_threads", "local_mode", "s3", "logger",
-        "trusted", "allowed_classes",
+        "trusted", "allowed_classes", "resume_before",
     ]
 
 
@@ -80,3 +81,7 @@ def test_errors_survive_pickling_with_context() -> None:
     err = tierckpt.IntegrityError("bad", tier="memory", step=3, rank=1)
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is tierckpt.IntegrityError and (back.tier, back.step, back.rank, str(back)) == ("memory", 3, 1, "bad")
+    unusable = tierckpt.NoUsableStepError("none", steps=(2, 3), missing={3: "rank 1 has no copy"}, rank=0)
+    back_u = pickle.loads(pickle.dumps(unusable))
+    assert type(back_u) is tierckpt.NoUsableStepError
+    assert (back_u.steps, back_u.missing, back_u.rank, str(back_u)) == ((2, 3), {3: "rank 1 has no copy"}, 0, "none")

@@ -15,9 +15,18 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
+from tierckpt.errors import CheckpointNotFoundError, IntegrityError, NoUsableStepError, StorageError
 
-__all__ = ["Availability", "Choice", "choose_step", "gather"]
+__all__ = ["UNUSABLE_ADVICE", "Availability", "Choice", "choose_step", "gather"]
+
+#: what to do when committed steps exist but no step is complete for every rank (``NoUsableStepError``)
+UNUSABLE_ADVICE = (
+    "each rank loads its own shard files, so restart every rank on the node (memory root) that saved "
+    "them (tierckpt run keeps a node's ranks across restarts where it can), run `tierckpt run "
+    "--replicas 1` so that peer nodes hold copies, or give the job a durable tier (durable_url); "
+    "to start over on purpose, use a new namespace"
+)
+
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,7 @@ class Availability:
     durable_error  why rank 0 could not list the durable tier (None when it could)
     peer     step → files this rank can fetch from other nodes through its node agent
              (their memory tiers and the replicas they hold; empty without an agent)
+    before   this rank's ``resume_before`` (None: no bound); the smallest of all ranks' applies
     """
 
     rank: int
@@ -40,6 +50,7 @@ class Availability:
     bad: Mapping[int, str] = field(default_factory=dict)
     durable_error: str | None = None
     peer: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    before: int | None = None
 
 
 @dataclass(frozen=True)
@@ -65,23 +76,33 @@ def choose_step(
 ) -> Choice | None:
     """The newest step every rank can load completely (or ``requested``); None if nothing exists.
 
-    A rank can load step S if S is committed in the durable tier, or if its memory tier and
+    Without ``requested``, only steps older than the smallest ``before`` of any rank (the
+    launcher's ``resume_before`` after a non-finite loss) are candidates. A rank can load step S if S is committed in the durable tier, or if its memory tier and
     its peers (other nodes' memory and replicas, through the node agent) together hold every
     file S's manifest lists. An explicit step that exists nowhere →
     CheckpointNotFoundError; one that exists but is not loadable by every rank → IntegrityError.
     Nothing loadable while rank 0 could not list the durable tier → StorageError (never "no
-    checkpoint" while a tier that may hold one is unreachable).
+    checkpoint" while a tier that may hold one is unreachable). Steps exist but each lacks some
+    rank's files → NoUsableStepError (one with a damaged copy among them → IntegrityError).
     """
     view = _View.of(avail)
     if requested is not None:
         return _choose_requested(view, requested, namespace)
     skipped: list[tuple[int, str]] = []
-    for step in sorted(view.seen, reverse=True):
+    limit = view.before
+    for step in sorted((s for s in view.seen if limit is None or s < limit), reverse=True):
         reason = view.why_not(step)
         if reason is None:
             return Choice(step, tuple(skipped))
         skipped.append((step, reason))
     view.raise_if_unreachable()
+    if skipped and not any(view.damaged(s) for s, _ in skipped):
+        raise NoUsableStepError(
+            f"namespace {namespace!r} has committed steps {', '.join(map(str, sorted(view.seen)))} "
+            f"but none that every rank can load: {'; '.join(f'step {s}: {r}' for s, r in skipped)}. "
+            f"Found: {view.holdings()}. To resume: {UNUSABLE_ADVICE}",
+            steps=tuple(sorted(view.seen)), missing=dict(skipped),
+        )
     if skipped:
         raise IntegrityError(
             f"no step of namespace {namespace!r} can be loaded completely: "
@@ -113,6 +134,7 @@ class _View:
     durable_error: str | None
     files: Mapping[int, frozenset[str]]
     seen: frozenset[int]
+    before: int | None = None  # resume_before: only older steps are candidates (no explicit step)
 
     @classmethod
     def of(cls, avail: Sequence[Availability]) -> _View:
@@ -127,13 +149,29 @@ class _View:
         seen = set(durable)
         for a in avail:
             seen |= set(a.memory) | set(a.bad) | set(a.peer)
-        return cls(avail, durable, durable_error, files, frozenset(seen))
+        before = min((a.before for a in avail if a.before is not None), default=None)
+        return cls(avail, durable, durable_error, files, frozenset(seen), before)
 
     def raise_if_unreachable(self) -> None:
         if self.durable_error is not None:
             raise StorageError(
                 f"no step can be loaded from memory and the durable tier is unavailable: {self.durable_error}"
             )
+
+    def damaged(self, step: int) -> bool:
+        """True when some rank rejected its copy of ``step`` (a checksum or seal problem)."""
+        return any(step in a.bad for a in self.avail)
+
+    def holdings(self) -> str:
+        """Which rank's memory holds which files of which step, and the durable steps, in words."""
+        parts = []
+        for a in self.avail:
+            held = ", ".join(f"step {s} ({', '.join(sorted(f)) or 'metadata only'})" for s, f in sorted(a.memory.items()))
+            peers = f"; its peers: steps {', '.join(map(str, sorted(a.peer)))}" if a.peer else ""
+            parts.append(f"rank {a.rank}'s memory tier holds {held or 'nothing'}{peers}")
+        parts.append(f"durable tier: steps {', '.join(map(str, sorted(self.durable)))}" if self.durable
+                     else "no durable copy")
+        return "; ".join(parts)
 
     def why_not(self, step: int) -> str | None:
         """None when every rank can load ``step`` completely, else the first rank's reason."""

@@ -47,8 +47,9 @@ class TieredStorageReader(StorageReader):
     """Load a checkpoint saved by tierckpt (or any DCP checkpoint in tierckpt's layout).
 
     ``step=None`` loads the newest step every rank can load completely (older steps are
-    used, with a warning, when newer ones are damaged); an explicit step loads that step
-    or raises CheckpointNotFoundError / IntegrityError. ``path`` may name the step as
+    used, with a warning, when newer ones are damaged), older than ``config.resume_before``
+    when that is set; steps that exist but that no rank set can load → NoUsableStepError; an
+    explicit step loads that step or raises CheckpointNotFoundError / IntegrityError. ``path`` may name the step as
     ``.../step_N``. ``process_group`` must be the group given to ``dcp.load``.
 
     ``verify_ahead`` (default True) checks this rank's share of the data before anyone reads,

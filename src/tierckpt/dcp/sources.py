@@ -73,7 +73,8 @@ class StepSources:
             except StorageError as exc:
                 self.log.warning(None, "durable tier unavailable, using memory only: %s", exc)
                 durable, durable_error = frozenset(), str(exc)
-        return Availability(self.rank, memory, files, durable, bad, durable_error, peer)
+        before = self.config.resume_before if self.requested is None else None
+        return Availability(self.rank, memory, files, durable, bad, durable_error, peer, before)
 
     def _wanted(self, step: int) -> bool:
         return step not in self.exclude and (self.requested is None or step == self.requested)

@@ -22,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, cast
@@ -37,7 +37,14 @@ from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo as _StorageInfo
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import node_commit
-from tierckpt.errors import ConfigError, DurableWriteError, ProtocolError, StorageError, TierckptError
+from tierckpt.errors import (
+    ConfigError,
+    DurableWriteError,
+    NonFiniteLossError,
+    ProtocolError,
+    StorageError,
+    TierckptError,
+)
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
 from tierckpt.record import ALIGN, dumps_metadata, tensor_record
@@ -131,6 +138,8 @@ class TieredStorageWriter(StorageWriter):
         #: only a writer used on its own (dcp.save, the integrations, the compat API) reports here
         self.reports_metrics = _runtime is None
         metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: as Checkpointer, so DCP-plug-in users report too
+        #: Checkpointer's hold on the commit: a reason not to commit (a non-finite loss), or None
+        self._gate: Callable[[], str | None] | None = None
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -258,13 +267,25 @@ class TieredStorageWriter(StorageWriter):
         self._plan_data, self.save_id = pd, pd.save_id
         rt, step, log = self.runtime, self.step, StepLogger("writer", self.rank, self.config.logger)
         node_commit.raise_background_error(rt, step)
+        self._check_gate()
         log.info(step, "Starting checkpoint write (%d items)", len(plan.items))
         with rt.save_lock:
             rt.in_flight.add(pd.save_id)
             try:
-                return self._write_locked(plan, planner, pd, rt, step, log)
+                results = self._write_locked(plan, planner, pd, rt, step, log)
+                self._check_gate(abort=pd.save_id)  # every rank's last word before the coordinator commits
+                return results
             finally:
                 rt.in_flight.discard(pd.save_id)
+
+    def _check_gate(self, abort: str | None = None) -> None:
+        """Raise NonFiniteLossError when the save's gate (a non-finite loss) holds it back."""
+        reason = self._gate() if self._gate is not None else None
+        if reason is None:
+            return
+        if abort is not None:
+            self.runtime.memory.abort(self.step, abort)  # this rank's staged files (never raises)
+        raise NonFiniteLossError(f"step {self.step} was not committed: {reason}", step=self.step)
 
     def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: _PlanData, rt: RankRuntime,
                       step: int, log: StepLogger) -> list[WriteResult]:
@@ -335,6 +356,7 @@ class TieredStorageWriter(StorageWriter):
         )
         mf_raw = manifest.to_bytes()
         small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
+        self._check_gate(abort=save_id)
         rt.memory.commit(step, save_id, small)
         rt.committed_in_memory(step)
         self.committed = (md_raw, mf_raw)
