@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import guard, layout
+from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo as _StorageInfo
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import node_commit
@@ -133,6 +133,11 @@ class TieredStorageWriter(StorageWriter):
         self.files_written: list[str] = []
         self._durable_exc: StorageError | None = None
         self._synchronize_after_execute = False  # stage() returns only once the copy landed
+        self._t_write: float | None = None  # when write_data began, for the commit-seconds metric
+        #: a Checkpointer passes its runtime and reports its own saves (tierckpt_saves_total ...):
+        #: only a writer used on its own (dcp.save, the integrations, the compat API) reports here
+        self.reports_metrics = _runtime is None
+        metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: as Checkpointer, so DCP-plug-in users report too
         #: Checkpointer's hold on the commit: a reason not to commit (a non-finite loss), or None
         self._gate: Callable[[], str | None] | None = None
 
@@ -199,9 +204,14 @@ class TieredStorageWriter(StorageWriter):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
+    #: whether ``stage`` may run before the step is known: ``dcp.async_save`` stages before it hands
+    #: ``checkpoint_id`` to ``reset``; a subclass that takes the step from it (the SageMaker API) sets this
+    stage_before_step = False
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into a shared-memory slot; return the state dict DCP will save."""
-        step = self.step  # dcp.async_save stages first: fail before the copy if there is no step
+        # dcp.async_save stages first: fail before the copy if there is no step (unless it comes later)
+        step = self._step if self.stage_before_step else self.step
         try:
             snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
         except Exception as exc:
@@ -240,9 +250,11 @@ class TieredStorageWriter(StorageWriter):
     # -- writing --------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
+        self._t_write = time.perf_counter()
         try:
             fut.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP collects the failure from the future
+            self._metric(metrics.dcp_failed, "memory")
             fut.set_exception(cast(Any, guard.typed(exc, step=self._step, tier="memory")))
         return fut
 
@@ -295,6 +307,7 @@ class TieredStorageWriter(StorageWriter):
             with log.timed(step, "In-memory write", snap.nbytes + len(extras)):
                 for name, source in files.items():
                     rt.memory.put_file(step, pd.save_id, name, source)
+            self._metric(metrics.dcp_written, "memory", snap.nbytes + len(extras))
             durable_error = None
             if self.durable:
                 durable = _durable_tier(rt, step)
@@ -302,6 +315,7 @@ class TieredStorageWriter(StorageWriter):
                     with log.timed(step, f"Durable write ({durable.location(step)})", snap.nbytes + len(extras)):
                         for name, source in files.items():
                             durable.put_file(step, pd.save_id, name, source)
+                    self._metric(metrics.dcp_written, "durable", snap.nbytes + len(extras))
                 except StorageError as exc:
                     durable_error = f"rank {self.rank}: {exc}"
                     self._durable_exc = exc  # the coordinator chains its own failure in finish
@@ -349,11 +363,13 @@ class TieredStorageWriter(StorageWriter):
         if self._plan_data is not None and self._plan_data.remote_nodes:
             node_commit.publish(rt, step, save_id, md_raw, mf_raw, log)
         log.info(step, "Committed to memory (%s), metadata %d bytes", rt.memory.location(step), len(md_raw))
+        self._metric(metrics.dcp_committed, "memory", step, self._since_write())
         rt.apply_retention(rt.memory, rt.memory_retention)
         if self.durable:
             durable = _durable_tier(rt, step)
             failed = sorted({i.durable_error for i in infos.values() if i.durable_error})
             if failed:
+                self._metric(metrics.dcp_failed, "durable")
                 raise DurableWriteError(
                     f"durable copy of step {step} failed on some rank (memory copy is committed): "
                     + "; ".join(failed),
@@ -362,12 +378,21 @@ class TieredStorageWriter(StorageWriter):
             try:
                 durable.commit(step, save_id, small)
             except StorageError as exc:
+                self._metric(metrics.dcp_failed, "durable")
                 raise DurableWriteError(
                     f"durable commit of step {step} failed (memory copy is committed): {exc}",
                     tier="durable", step=step,
                 ) from exc
             log.info(step, "Committed to durable (%s)", durable.location(step))
+            self._metric(metrics.dcp_committed, "durable", step, self._since_write())
             rt.apply_retention(durable, rt.durable_retention)
+
+    def _metric(self, hook: Any, tier: str, *args: Any) -> None:
+        if self.reports_metrics:
+            hook(self.config.namespace, tier, *args)
+
+    def _since_write(self) -> float:
+        return 0.0 if self._t_write is None else time.perf_counter() - self._t_write
 
 
 def _spans(

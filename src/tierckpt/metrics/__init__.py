@@ -23,6 +23,10 @@ from tierckpt.metrics.core import (
 )
 from tierckpt.metrics.library import (
     LibraryMetrics,
+    dcp_committed,
+    dcp_failed,
+    dcp_loaded,
+    dcp_written,
     disable,
     durable_committed,
     durable_failed,
@@ -45,6 +49,10 @@ __all__ = [
     "LibraryMetrics",
     "MetricsServer",
     "Registry",
+    "dcp_committed",
+    "dcp_failed",
+    "dcp_loaded",
+    "dcp_written",
     "disable",
     "durable_committed",
     "durable_failed",

@@ -28,6 +28,10 @@ from tierckpt.metrics.core import MetricsServer, Registry, serve
 
 __all__ = [
     "LibraryMetrics",
+    "dcp_committed",
+    "dcp_failed",
+    "dcp_loaded",
+    "dcp_written",
     "disable",
     "durable_committed",
     "durable_failed",
@@ -257,3 +261,48 @@ def loaded(ck: Any) -> None:
     m.loads.inc(namespace=ns, tier=tier)
     if info.get("step") is not None:
         m.last_loaded.set(info["step"], namespace=ns)
+
+
+# -- the DCP plug-ins' hooks (TieredStorageWriter / TieredStorageReader, and so every integration
+# built on them: Lightning, torchtitan, Ray, the SageMaker-compatible API, plain dcp.save/load) ----
+
+
+def dcp_written(namespace: str, tier: str, nbytes: int) -> None:
+    """A ``TieredStorageWriter`` put this rank's ``nbytes`` of a step into ``tier``."""
+    m = _METRICS
+    if m is None:
+        return
+    m.bytes.inc(nbytes, namespace=namespace, tier=tier)
+
+
+def dcp_committed(namespace: str, tier: str, step: int, seconds: float) -> None:
+    """The coordinator committed ``step`` in ``tier``, ``seconds`` after its ``write_data`` began."""
+    m = _METRICS
+    if m is None:
+        return
+    m.commit.observe(seconds, namespace=namespace, tier=tier)
+    m.saves.inc(namespace=namespace, tier=tier)
+    m.last_step.set(step, namespace=namespace, tier=tier)
+    if tier == "durable":
+        m.durable_step(namespace, step)
+
+
+def dcp_failed(namespace: str, tier: str) -> None:
+    """A ``TieredStorageWriter`` save failed in ``tier``."""
+    m = _METRICS
+    if m is None:
+        return
+    m.failures.inc(namespace=namespace, tier=tier)
+
+
+def dcp_loaded(namespace: str, step: int | None, seconds: float, tiers: Any) -> None:
+    """A ``TieredStorageReader`` read this rank's share of ``step`` from ``tiers`` (names)."""
+    m = _METRICS
+    if m is None:
+        return
+    names = set(tiers)
+    used = [t for t in _TIER_ORDER if t in names] or sorted(names) or ["none"]
+    m.load_seconds.observe(seconds, namespace=namespace, tier=used[-1])
+    m.loads.inc(namespace=namespace, tier=used[-1])
+    if step is not None:
+        m.last_loaded.set(step, namespace=namespace)
