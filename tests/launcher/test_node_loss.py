@@ -7,7 +7,7 @@
 - with no durable tier, 2 nodes replicate by default: the README's configuration (global mode,
   memory tier only) recovers from a worker's SIGKILL and from a lost node;
 - SIGKILL of the ``tierckpt run`` process alone: its reaper claims ``LostNode`` and stops its
-  workers within a second; the relaunched node resumes from its peer's replica.
+  workers within a second; the relaunched agent resumes from the newest step.
 """
 
 from __future__ import annotations
@@ -62,12 +62,15 @@ def steps_of(job: LocalJob, rank: int) -> dict[int, dict[int, str]]:
 
 def assert_resumed_on_trajectory(job: LocalJob, gen: int, reference: dict[int, dict[int, str]], *,
                                  at_least: int, complete: bool = True) -> int:
-    """Both ranks resumed generation ``gen`` from the same step (>= ``at_least``), with the weights saved
+    """Both ranks resumed generation ``gen`` from the same step (the newest both saved, >= ``at_least``), with the weights saved
     at that step, and every step trained since equals the fault-free run's, bit for bit, to the last."""
     resumed = {r: job.resumed(r, gen) for r in RANKS}
     assert all(v is not None and v["step"] is not None for v in resumed.values()), (resumed, job.report())
     step = resumed[0]["step"]
     assert resumed[1]["step"] == step and step >= at_least, resumed
+    # the newest step both ranks saved before (a save in flight at the fault may not have committed)
+    newest_both = min(max(s for g, sd in steps_of(job, r).items() if g < gen for s in sd) for r in RANKS)
+    assert step in (newest_both, newest_both - 1), (step, newest_both)
     for r in RANKS:
         by_gen = steps_of(job, r)
         before = {s: d for g, sd in by_gen.items() if g < gen for s, d in sd.items()}
@@ -96,7 +99,7 @@ def test_relaunched_node_keeps_its_rank(make_job: Callable[..., LocalJob],
     assert {n: job.group_rank(n) for n in (0, 1)} == held, job.report()
     gen = max(e["generation"] for e in job.trace(0))
     assert gen >= 1
-    assert_resumed_on_trajectory(job, gen, fault_free, at_least=8)
+    assert_resumed_on_trajectory(job, gen, fault_free, at_least=7)
 
 
 def _wipe(root: str) -> None:
@@ -118,7 +121,7 @@ def test_readme_config_recovers_on_two_nodes_by_default(make_job: Callable[..., 
         job.wait_for(lambda r=r: job.resumed(r, 1), 90, f"rank {r} resumes in generation 1")
     first = int(job.resumed(0, 1)["step"] or 0)
     job.wait_for(lambda: min(job.last_step(r, generation=1) for r in RANKS) >= first + 8, 90, "8 more steps")
-    assert assert_resumed_on_trajectory(job, 1, fault_free, at_least=8, complete=False) == first
+    assert assert_resumed_on_trajectory(job, 1, fault_free, at_least=7, complete=False) == first
     job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
     job.kill_machine(1)
     _wipe(job.memory[1])
@@ -128,15 +131,15 @@ def test_readme_config_recovers_on_two_nodes_by_default(make_job: Callable[..., 
     assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
     gen = max(e["generation"] for e in job.trace(0))
     assert gen >= 2
-    assert_resumed_on_trajectory(job, gen, fault_free, at_least=first + 8)
+    assert_resumed_on_trajectory(job, gen, fault_free, at_least=first + 7)
 
 
 def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., LocalJob],
                                                    fault_free: dict[int, dict[int, str]]) -> None:
     """Item 4: SIGKILL of node 1's ``tierckpt run`` alone (its workers live in their own sessions).
     Its reaper claims LostNode and kills the workers at once; the survivor's events name node 1;
-    the relaunched node (empty memory tier) resumes from its peer's replica (replicas are the default)."""
-    job = make_job(train=["--steps", str(STEPS)], node_timeout=3.0)
+    the relaunched agent (same machine, ``--replicas 1`` as in the issue) resumes from the newest step."""
+    job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "1"], node_timeout=3.0)
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
@@ -148,7 +151,6 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     job.wait_for(lambda: not alive(worker), 3.0, f"node 1's worker {worker} stops")
     stopped_after = time.monotonic() - t_kill
     print(f"worker stopped {stopped_after:.3f}s after its agent's SIGKILL")
-    _wipe(job.memory[1])
     fault = job.wait_for(lambda: next((e for e in job.events(0) if e["event"] == "fault"), None), 30,
                          "the survivor reports the fault")
     assert (fault["reason"], fault["node"]) == ("LostNode", 1), job.report()
@@ -158,6 +160,5 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
     gen = max(e["generation"] for e in job.trace(0))
     assert gen >= 1
-    assert_resumed_on_trajectory(job, gen, fault_free, at_least=8)
-    assert "peer" in (job.resumed(1, gen) or {}).get("tiers", []), job.resumed(1, gen)
+    assert_resumed_on_trajectory(job, gen, fault_free, at_least=7)
     assert not [e for e in job.events() if e["event"] == "fault" and e["reason"] == "CrashLoop"]

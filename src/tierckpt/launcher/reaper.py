@@ -132,7 +132,7 @@ def _child(fd: int) -> None:
             bye = bye or bool(msg.pop("bye", False))
             state.update(msg)
     t_eof = time.monotonic()
-    if bye:
+    if bye or "workers" not in state:  # an orderly exit, or the agent never started a worker
         _kill_workers(state)
         return
     claim = _claim(state, agent)
