@@ -7,7 +7,7 @@
 - with no durable tier, 2 nodes replicate by default: the README's configuration (global mode,
   memory tier only) recovers from a worker's SIGKILL and from a lost node;
 - SIGKILL of the ``tierckpt run`` process alone: its reaper claims ``LostNode`` and stops its
-  workers within a second; the relaunched agent resumes from the newest step.
+  workers within a second; the relaunched node resumes from its peer's replica.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
                                                    fault_free: dict[int, dict[int, str]]) -> None:
     """Item 4: SIGKILL of node 1's ``tierckpt run`` alone (its workers live in their own sessions).
     Its reaper claims LostNode and kills the workers at once; the survivor's events name node 1;
-    the relaunched agent (same machine, ``--replicas 1`` as in the issue) resumes from the newest step."""
+    the relaunched node, its memory tier empty, resumes from its peer's replica (``--replicas 1`` as in
+    the issue; local mode, the demo's default)."""
     job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "1"], node_timeout=3.0)
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
@@ -151,6 +152,7 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     job.wait_for(lambda: not alive(worker), 3.0, f"node 1's worker {worker} stops")
     stopped_after = time.monotonic() - t_kill
     print(f"worker stopped {stopped_after:.3f}s after its agent's SIGKILL")
+    _wipe(job.memory[1])  # and the replacement has an empty memory tier: it must use the peer's replica
     fault = job.wait_for(lambda: next((e for e in job.events(0) if e["event"] == "fault"), None), 30,
                          "the survivor reports the fault")
     assert (fault["reason"], fault["node"]) == ("LostNode", 1), job.report()
@@ -161,4 +163,5 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     gen = max(e["generation"] for e in job.trace(0))
     assert gen >= 1
     assert_resumed_on_trajectory(job, gen, fault_free, at_least=7)
+    assert "peer" in (job.resumed(1, gen) or {}).get("tiers", []), job.resumed(1, gen)
     assert not [e for e in job.events() if e["event"] == "fault" and e["reason"] == "CrashLoop"]
