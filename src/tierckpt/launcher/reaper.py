@@ -135,7 +135,7 @@ def _child(fd: int) -> None:
     if bye or "workers" not in state:  # an orderly exit, or the agent never started a worker
         _kill_workers(state)
         return
-    claim = _claim(state, agent)
+    claim = _claim(state, agent, t_eof)
     killed = _kill_workers(state)
     _record(state, claim, killed, time.monotonic() - t_eof)
 
@@ -147,7 +147,7 @@ def _max_fd() -> int:
         return 65536
 
 
-def _claim(state: dict[str, Any], agent: int) -> str:
+def _claim(state: dict[str, Any], agent: int, t_eof: float) -> str:
     """Claim LostNode for this node in the store; what happened, for the event."""
     store_addr, g, node = state.get("store"), state.get("generation"), state.get("node")
     if store_addr is None or g is None or node is None:
@@ -156,9 +156,9 @@ def _claim(state: dict[str, Any], agent: int) -> str:
 
     record = {"generation": g, "time": time.time(), "generation_started": state.get("generation_started", time.time()),
               "reason": "LostNode", "node": node, "rank": None, "first_beat": True, "step": None,
-              "resumed_step": state.get("resumed_step"), "detection_latency_s": 0.0,
-              "detail": f"the agent of node {node} (pid {agent}) died; "
-                        "its reaper stopped its workers"}
+              "resumed_step": state.get("resumed_step"),
+              "detection_latency_s": round(time.monotonic() - t_eof, 3),  # from the agent's death (end of file)
+              "detail": f"the agent of node {node} (pid {agent}) died; its reaper stopped its workers"}
     try:
         won = JobControl(connect_client(str(store_addr[0]), int(store_addr[1]), timeout_s=_CLAIM_TIMEOUT_S)
                          ).claim(int(g), record)
