@@ -30,6 +30,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from tierckpt.launcher import ranks
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
@@ -40,6 +41,7 @@ from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
+from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.rules import RuleMonitor
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
@@ -56,7 +58,7 @@ class TierckptAgent(LocalElasticAgent):
 
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, opts: RunOptions, *,
                  start_method: str = "spawn", log_line_prefix_template: str | None = None,
-                 shutdown_timeout: int = 30) -> None:
+                 shutdown_timeout: int = 30, reaper: Reaper | None = None) -> None:
         super().__init__(spec, logs_specs, start_method=start_method,
                          log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
         self.opts = opts
@@ -85,6 +87,10 @@ class TierckptAgent(LocalElasticAgent):
         self._died_seen = 0
         self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
         self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
+        self._reaper = reaper  # stops the workers and claims LostNode if this process dies (reaper.py)
+        self._store_addr: tuple[str, int] | None = None
+        self._held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
+        self._stable_rank: int | None = None  # this round's group rank, set in _assign_worker_ranks
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -111,9 +117,28 @@ class TierckptAgent(LocalElasticAgent):
         return int(self._worker_group.group_world_size or 1)
 
     # ---- rendezvous + generation ----
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                             spec: WorkerSpec) -> list[Any]:
+        """torch's rank assignment, but from the group rank this node held before (ranks.py)
+        instead of torch's arrival order; called by torch's ``_rendezvous`` once per round."""
+        run_id = spec.rdzv_handler.get_run_id()
+        memory_dir = self.opts.memory_dir
+        survivor = self._held_rank is not None
+        prior = self._held_rank if survivor else ranks.load_prior(memory_dir, run_id)
+        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir))
+        stable = ranks.exchange(store, group_rank, group_world_size, claim)
+        self._stable_rank = stable
+        return super()._assign_worker_ranks(store, stable, group_world_size, spec)
+
     def _join(self) -> None:
         wg = self._worker_group
         super()._rendezvous(wg)
+        if self._stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
+            wg.group_rank = self._stable_rank  # type: ignore[assignment]  # torch annotates it None
+        self._held_rank = self.node
+        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
+        if problem is not None:
+            self.events.emit("warning", generation=self.generation, what=problem)
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
@@ -125,6 +150,7 @@ class TierckptAgent(LocalElasticAgent):
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
         self.events.node = self.node
+        self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
             host, port = job_store.host, job_store.port
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
@@ -423,6 +449,11 @@ class TierckptAgent(LocalElasticAgent):
         for local_rank, pid in ids.items():
             wg.workers[local_rank].id = pid
         wg.state = WorkerState.HEALTHY
+        if self._reaper is not None:
+            self._reaper.update(store=self._store_addr, generation=self.generation, node=self.node,
+                                generation_started=self._gen_started, resumed_step=self.resumed_step,
+                                events=self.opts.events_path)
+            self._reaper.watch(list(ids.values()))
 
     def _recover(self, fault: dict[str, Any]) -> RunResult | None:
         """Stop, agree, decide; restart in place (None) or end the run (a RunResult)."""
@@ -521,6 +552,9 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        if self._reaper is not None:  # before the slow parts: the workers were stopped already
+            self._reaper.close()
+            self._reaper = None
         drain_closers()
         if self._pool is not None:
             self._pool.close()

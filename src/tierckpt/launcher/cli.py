@@ -62,9 +62,14 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--no-warm", action="store_true", help="every worker start is cold (same as --warm-workers 0)")
     g.add_argument("--warm-imports", default="",
                    help="comma-separated modules the standbys import ahead beside torch (e.g. the script's models)")
-    a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given and no "
-                             "agent already serves the memory root)")
-    a.add_argument("--replicas", type=int, help="peer copies of this node's newest memory step (tierckpt agent)")
+    a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given, or by "
+                             "default on several nodes without --durable-url, unless an agent already serves the "
+                             "memory root)")
+    a.add_argument("--replicas", type=int,
+                   help="peer copies of this node's newest memory step (tierckpt agent). Default: 1 when --nnodes "
+                   "is more than 1 and there is no --durable-url (a lost node's steps survive on a peer; a global "
+                   "checkpoint stays loadable), else none. 0 opts out: a lost node then loses the steps only its "
+                   "memory tier held")
     a.add_argument("--peers", help="the other nodes' agents, host:port,host:port")
     a.add_argument("--agent-listen", default=None, help="HOST:PORT the hosted agent listens on for peers "
                    "(default 127.0.0.1:0; anything but loopback needs a secret)")
@@ -74,20 +79,44 @@ def build_parser() -> ArgumentParser:
 
 
 def _agent_config(args: Namespace) -> Any:
-    """The hosted node agent's config, or None when no agent option was given."""
-    if args.replicas is None and args.peers is None and args.memory_budget is None:
+    """The hosted node agent's config, or None when none is hosted.
+
+    Several nodes with no durable tier replicate by default (``--replicas 1``): otherwise a
+    lost node takes with it the only copy of its ranks' files, and a global checkpoint cannot
+    be loaded by anyone. ``--replicas 0`` opts out, with a one-line warning.
+    """
+    replicas = args.replicas
+    if replicas is None and _max_nodes(args.nnodes) > 1 and not args.durable_url:
+        replicas = 1  # the safe default (--help says so)
+    if replicas == 0 and args.peers is None and args.memory_budget is None:
+        if _max_nodes(args.nnodes) > 1 and not args.durable_url:
+            print(f"tierckpt run: warning: --replicas 0 and no --durable-url on {args.nnodes} nodes: a lost node "
+                  "loses the steps only its memory tier held", file=sys.stderr)
+        return None
+    if replicas is None and args.peers is None and args.memory_budget is None:
         return None
     from tierckpt.agent.config import AgentConfig, node_ram_bytes, parse_address, parse_budget, read_secret
+    from tierckpt.config import DEFAULT_MEMORY_DIR
 
-    if not args.memory_dir:
+    if args.memory_dir is None and (args.replicas is not None or args.peers is not None
+                                    or args.memory_budget is not None):
         raise TierckptError("--replicas/--peers/--memory-budget need --memory-dir (the node's memory tier)")
     peers = tuple(parse_address(x) for x in (args.peers or "").split(",") if x.strip())
-    return AgentConfig(memory_dir=args.memory_dir, listen=parse_address(args.agent_listen or "127.0.0.1:0"),
-                       peers=peers, replicas=1 if args.replicas is None else args.replicas,
+    # by default the workers' memory tier is the library's default root: serve that one
+    return AgentConfig(memory_dir=args.memory_dir or DEFAULT_MEMORY_DIR, listen=parse_address(args.agent_listen or "127.0.0.1:0"),
+                       peers=peers, replicas=1 if replicas is None else replicas,
                        secret=read_secret(args.agent_secret_file),
                        budget_bytes=None if args.memory_budget is None else parse_budget(args.memory_budget,
                                                                                        node_ram_bytes()),
                        durable_url=args.durable_url)
+
+
+def _max_nodes(nnodes: str) -> int:
+    """The most nodes torchrun's ``--nnodes`` (N or MIN:MAX) admits; 1 when it does not parse (torch reports it)."""
+    try:
+        return int(str(nnodes).rsplit(":", 1)[-1])
+    except ValueError:
+        return 1
 
 
 def _options(args: Namespace) -> Any:
@@ -199,6 +228,7 @@ def launch(args: Namespace, opts: Any) -> int:
 
     from tierckpt.launcher.agent import TierckptAgent
     from tierckpt.launcher.options import FULL_RESTART_EXIT
+    from tierckpt.launcher.reaper import Reaper
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -222,16 +252,25 @@ def launch(args: Namespace, opts: Any) -> int:
     # with the shared store a rank-0 survivor never republishes MASTER_ADDR for a new round, so
     # a replacement node would wait forever in its first rendezvous
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # forked before torch's rendezvous handler starts its store threads; stops the workers if
+    # this process dies (reaper.py)
+    reaper = Reaper.fork()
+    try:
+        rdzv_handler = rdzv_registry.get_rendezvous_handler(params)
+    except BaseException:
+        reaper.close()
+        raise
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
-                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
+                      rdzv_handler=rdzv_handler, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
                       local_addr=config.local_addr, duplicate_stdout_filters=config.duplicate_stdout_filters,
                       duplicate_stderr_filters=config.duplicate_stderr_filters, numa_options=config.numa_options)
     if config.logs_specs is None:  # torch's config_from_args always sets it; a changed torch would not
+        reaper.close()
         raise ConfigError("torch's launcher config came without logs_specs (an unsupported torch version?)")
     agent = TierckptAgent(spec, config.logs_specs, opts, start_method=config.start_method,
                           log_line_prefix_template=config.log_line_prefix_template,
-                          shutdown_timeout=int(config.shutdown_timeout or 30))
+                          shutdown_timeout=int(config.shutdown_timeout or 30), reaper=reaper)
     shutdown_rdzv = True
     try:
         result = agent.run()
