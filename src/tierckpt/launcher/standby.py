@@ -2,13 +2,14 @@
 
 Started by the agent (``tierckpt.launcher.warm.StandbyPool``) as
 
-    python -u -m tierckpt.launcher.standby FD MODULE,MODULE... SPAWN_TIME
+    python -u -m tierckpt.launcher.standby FD MODULE,MODULE... SPAWN_TIME [idle|normal]
 
-Call order: import torch, the modules the DDP constructor imports lazily, and the user's
+Call order: with ``idle``, switch to ``SCHED_IDLE`` (its imports take only CPU nothing else
+wants: it is spawned right after a restart, beside the new workers); import torch, the modules the DDP constructor imports lazily, and the user's
 ``--warm-imports`` (a failing import is reported on stderr and skipped: the script will meet
 it again itself); ``gc.freeze()`` what they created; never touch CUDA; send ``R`` on the socket FD (ready); block until the agent
 hands over a rank: one SEQPACKET message, JSON ``{"env", "args", "cwd"}`` with the worker's
-stdout and stderr as SCM_RIGHTS descriptors. Then put those on fds 1 and 2, take the
+stdout and stderr as SCM_RIGHTS descriptors. Then return every thread to ``SCHED_OTHER``, put those on fds 1 and 2, take the
 environment, cwd and argv, and run the script as ``__main__`` (``runpy``), exactly as
 ``python -u -m mod ...`` or ``python -u script.py ...`` would. Its exit is the worker's exit.
 
@@ -97,8 +98,33 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     return json.loads(data.decode()), list(fds)
 
 
+def set_idle(idle: bool) -> None:
+    """``SCHED_IDLE`` (True) or ``SCHED_OTHER`` (False) for every thread of this process.
+
+    Linux lets an unprivileged process leave ``SCHED_IDLE`` for ``SCHED_OTHER`` at its own nice
+    value (unlike a raised nice value, which it could not lower again); threads created while
+    idle inherit it, so all are switched back. A refusal leaves the policy as it was (reported).
+    """
+    policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
+    if policy is None:  # not Linux
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            print(f"tierckpt standby: scheduling policy not changed ({exc})", file=sys.stderr, flush=True)
+            return
+
+
 def _take_over(job: dict[str, Any], fds: list[int]) -> None:
-    """Become the worker: descriptors, environment, cwd."""
+    """Become the worker: scheduling, descriptors, environment, cwd."""
+    set_idle(False)
     sys.stdout.flush()
     sys.stderr.flush()
     for target, fd in zip((1, 2), fds, strict=False):
@@ -127,6 +153,8 @@ def main() -> None:
     fd = int(sys.argv[1])
     names = [*DEFAULT_IMPORTS, *(n for n in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if n)]
     spawned = sys.argv[3] if len(sys.argv) > 3 else f"{time.time():.6f}"  # the agent's clock at spawn
+    if len(sys.argv) > 4 and sys.argv[4] == "idle":
+        set_idle(True)
     sock = socket.socket(fileno=fd)
     _warm_up(names)
     # the imports' objects live as long as the process: keep them out of every collection,

@@ -2,14 +2,16 @@
 
 Call order (agent side; the standby's side is ``tierckpt.launcher.standby``):
   1. ``StandbyPool(policy, entrypoint, base_env)``, then ``fill()`` as the agent starts: it
-     spawns ``policy.workers`` standbys (each imports torch while the rendezvous runs).
+     spawns ``policy.workers`` standbys (each imports torch while the rendezvous runs) and
+     ``policy.spare`` more at ``SCHED_IDLE``, for a second fault soon after the first.
   2. Each (re)start builds a ``WarmSubprocessContext`` (torch's ``SubprocessContext``, the
      same polling, failure capture, log files, tee threads and kill-by-process-group) whose
      ``_start`` hands a rank to a live standby when the command is a ``python -u [-m] ...``
      line and the environment that matters at import time is the one the standby started
      with; otherwise, or when the hand-over fails, it starts the rank cold as torch does.
-  3. ``fill()`` again once the new workers beat (so the replacements' imports do not slow
-     the restart they follow); ``close()`` retires every unused standby.
+  3. ``fill(idle=True)`` right after each (re)start: the replacements import at ``SCHED_IDLE``
+     (CPU no running process wants, so they do not slow the restart they follow; a standby
+     returns to ``SCHED_OTHER`` when it becomes a worker); ``close()`` retires every unused standby.
 """
 
 from __future__ import annotations
@@ -44,16 +46,17 @@ IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_
 class WarmPolicy:
     """How many standby interpreters an agent keeps, and what they import ahead.
 
-    workers   standbys kept ready (0: every start is cold); ``tierckpt run`` defaults to the
-              number of local workers
+    workers   standbys a (re)start takes (0: every start is cold); ``tierckpt run`` defaults
+              to the number of local workers
+    spare     standbys kept beyond ``workers``, so that a fault right after a restart (before
+              the replacements finished their imports) is served warm too; ``tierckpt run``
+              keeps as many as ``workers``
     imports   modules imported beside torch and the DDP constructor's lazy imports
-    refill_after_s  start replacements this long after a (re)start at the latest, even if
-              the workers never beat (they are started earlier, at the first beat)
     """
 
     workers: int = 0
     imports: tuple[str, ...] = field(default_factory=tuple)
-    refill_after_s: float = 10.0
+    spare: int = 0
 
 
 def warmable(entrypoint: str, args: tuple[Any, ...]) -> bool:
@@ -75,15 +78,16 @@ def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
 class Standby:
     """One standby interpreter: its process (own session, like torch's workers) and socket."""
 
-    def __init__(self, executable: str, imports: tuple[str, ...], env: dict[str, str]) -> None:
+    def __init__(self, executable: str, imports: tuple[str, ...], env: dict[str, str], *, idle: bool = False) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.executable = executable
         self.env = env
+        self.idle = idle
         self.started = time.time()
         try:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 [executable, "-u", "-m", "tierckpt.launcher.standby", str(theirs.fileno()), ",".join(imports),
-                 f"{self.started:.6f}"],
+                 f"{self.started:.6f}", "idle" if idle else "normal"],
                 env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
@@ -161,12 +165,18 @@ class StandbyPool:
             self.died.append((sb.pid, sb.proc.returncode))
             sb.retire()
 
-    def fill(self) -> int:
-        """Drop dead standbys, start new ones up to ``policy.workers``; the number started."""
+    @property
+    def target(self) -> int:
+        return self.policy.workers + self.policy.spare if self.policy.workers > 0 else 0
+
+    def fill(self, *, idle: bool = False) -> int:
+        """Drop dead standbys, start new ones up to ``workers + spare``; the number started.
+        Those beyond the first ``workers`` live ones, or all with ``idle``, import at SCHED_IDLE."""
         self._reap()
         n = 0
-        while len(self._idle) < self.policy.workers:
-            self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env)))
+        while len(self._idle) < self.target:
+            low = idle or len(self._idle) >= self.policy.workers
+            self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env), idle=low))
             n += 1
         return n
 
@@ -180,7 +190,7 @@ class StandbyPool:
     def short(self) -> bool:
         """Fewer live standbys than the policy keeps (dead ones are dropped and listed in ``died``)."""
         self._reap()
-        return len(self._idle) < self.policy.workers
+        return len(self._idle) < self.target
 
     def take(self, env: Mapping[str, str]) -> Standby | None:
         """A live standby whose import-time environment equals ``env``'s (ready ones first)."""
