@@ -79,3 +79,35 @@ def test_a_lone_agent_says_what_it_waits_for(make_job: Callable[..., LocalJob]) 
     job.start_agent(0)
     want = f"tierckpt run: waiting for nodes at 127.0.0.1:{job.port}: 1 of 2 joined"
     job.wait_for(lambda: want in job.log(0), 60, repr(want))
+
+
+WATCHED = """
+import os, sys, time
+from torch.distributed.elastic.timer import FileTimerClient, configure, expires
+print("timer file", os.environ.get("TORCHELASTIC_TIMER_FILE"), flush=True)
+configure(FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+with expires(after=1):
+    time.sleep(120)  # stuck past its timer: torch's watchdog SIGKILLs it
+"""
+
+
+def test_torchs_file_timer_watchdog_kills_a_stuck_worker(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tests.launcher.cluster import read_jsonl
+
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    events = tmp_path / "ev.jsonl"
+    env = dict(os.environ, TORCHELASTIC_ENABLE_FILE_TIMER="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "tierckpt.cli", "run", "--standalone", "--nproc-per-node=1",
+                           "--max-restarts=0", "--monitor-interval=0.1", f"--events={events}", str(script)],
+                          env=env, capture_output=True, text=True, timeout=120, start_new_session=True)
+    # torchrun's own server SIGKILLs the agent too (rc -9): here the agent lives and decides
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    fault = next(e for e in read_jsonl(events) if e["event"] == "fault")
+    assert fault["reason"] == "Crash", fault
+    assert fault["detail"].startswith("killed by SIGKILL (torch's file timer"), (fault, proc.stderr[-2000:])
+    last = read_jsonl(events)[-1]
+    assert last["why"] == "--max-restarts 0 reached", last

@@ -42,6 +42,7 @@ from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.rules import RuleMonitor
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
+from tierckpt.launcher.watchdog import start_watchdog
 from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import NON_FINITE_LOSS, read_beat
 from tierckpt.tiers.local import pid_alive
@@ -178,18 +179,16 @@ class TierckptAgent(LocalElasticAgent):
 
     def _torch_watchdogs(self, envs: dict[int, dict[str, str]]) -> None:
         """torchrun's worker watchdog and health-check server, which torch's own ``_start_workers``
-        (replaced here) sets up: ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` starts a ``FileTimerServer``
-        per generation (workers get ``TORCHELASTIC_TIMER_FILE``; an expired timer SIGKILLs its
-        worker, a ``Crash`` here); ``TORCHELASTIC_HEALTH_CHECK_PORT`` starts torch's health-check
-        server once (a no-op stub in open-source torch, as under torchrun)."""
-        if not (hasattr(self, "_setup_local_watchdog") and hasattr(self, "_setup_healthcheck")):
-            return  # a torch without them: nothing to set up (tests/unit/launcher/test_preflight.py)
+        (replaced here) sets up: ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` starts a file-timer server
+        per generation (watchdog.py: an expired timer SIGKILLs its worker, a ``Crash`` here, but
+        not the agent as torch's does); ``TORCHELASTIC_HEALTH_CHECK_PORT`` starts torch's
+        health-check server once, fed by that watchdog as under torchrun (a no-op stub in
+        open-source torch)."""
         old = getattr(self, "_worker_watchdog", None)
         if old is not None:
             old.stop()
-            self._worker_watchdog = None
-        self._setup_local_watchdog(envs=envs)
-        if getattr(self, "_health_check_server", None) is None:
+        self._worker_watchdog = start_watchdog(envs, self._worker_group.spec.rdzv_handler.get_run_id())
+        if getattr(self, "_health_check_server", None) is None and hasattr(self, "_setup_healthcheck"):
             self._setup_healthcheck()
 
     def _start_pool(self) -> None:
@@ -273,6 +272,10 @@ class TierckptAgent(LocalElasticAgent):
             rank, failure = sorted(result.failures.items())[0] if result.failures else (None, None)
             code = getattr(failure, "exitcode", None)
             detail = f"exit code {code}" if code is None or code >= 0 else f"killed by {signal.Signals(-code).name}"
+            dog = getattr(self, "_worker_watchdog", None)
+            pid = getattr(failure, "pid", None)
+            if dog is not None and pid in dog.expired:
+                detail += f" (torch's file timer {dog.expired[pid]!r} expired)"
             # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
             return self._record("Crash", rank, detail,
                                 since=self._woke_at if self._woke_at is not None else self._polled_at)
@@ -336,8 +339,11 @@ class TierckptAgent(LocalElasticAgent):
             "generation": self.generation, "time": time.time(), "generation_started": self._gen_started,
             "reason": reason, "node": self.node if node is None else node, "rank": rank,
             "detail": detail, "first_beat": self._all_beat(),
-            "step": self._progress(), "resumed_step": self.resumed_step,
-            # the step of the first non-finite beat seen: the next generations resume below it
+            # a non-finite loss: the step of the first non-finite beat seen (a NaN that comes back
+            # at that step is no progress, however far the worker ran before the poll); the next
+            # generations resume below it
+            "step": min(nan_steps) if reason == NON_FINITE_LOSS and nan_steps else self._progress(),
+            "resumed_step": self.resumed_step,
             "resume_before": min(nan_steps) if reason == NON_FINITE_LOSS and nan_steps else None,
             # from the last sign of life (a crash: the SIGCHLD wake-up) to now
             "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),

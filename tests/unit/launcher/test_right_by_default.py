@@ -113,6 +113,15 @@ def test_a_repeated_nan_keeps_the_lower_bound() -> None:
     assert resume.advance(8, _nan(1, 12), moved=True) == 12  # moved past 8, then NaN again at 12
 
 
+def test_a_nan_that_comes_back_at_the_same_step_is_no_progress() -> None:
+    """Resumed below step 8 each time, the job meets the NaN at step 8 again: NoProgress ends it
+    (before, each generation resumed the poisoned newest step and got one step further)."""
+    policy = EscalationPolicy(job_max_retry_count=10)
+    history = [_fault(g, "NonFiniteLoss", step=8) for g in range(4)]
+    assert [policy.decide(history[: n + 1]).action for n in range(4)] == [Action.RESTART] * 3 + [Action.FAIL]
+    assert policy.decide(history).reason == "NoProgress"
+
+
 def test_moved_past_needs_every_rank_finite_at_or_past_the_bound() -> None:
     assert resume.moved_past([(8, False), (9, False)], 8)
     assert not resume.moved_past([(8, False), (7, False)], 8)
