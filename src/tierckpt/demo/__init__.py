@@ -1,11 +1,14 @@
 """``tierckpt demo``: a job under ``tierckpt run`` loses a worker to SIGKILL and recovers by itself.
 
 The driver starts two ``tierckpt run`` agents on 127.0.0.1 (two "nodes", one worker each, gloo,
-each node its own memory tier), waits until the job has trained a while, SIGKILLs the worker
-under agent 1 and then only watches: the agents detect the crash, stop every worker, start the
-next generation, the workers resume from the memory tier and train to the end. It prints the
-detection and recovery times from the agents' events and the workers' traces, and checks that
-both ranks resumed the same step with the parameters saved at that step, bit for bit.
+each node its own memory tier), waits until the job has trained a while and every agent's
+standby interpreters are ready (the steady state the README's figure describes), SIGKILLs the
+worker under agent 1 and then only watches: the agents detect the crash, stop every worker,
+start the next generation, the workers resume from the memory tier and train to the end. It
+prints the time until both ranks train again (warm or cold) and each stage of it (detection,
+stop, hand-over, process group, load, first step) from the agents' events and the workers'
+traces, and checks that both ranks resumed the same step with the parameters saved at that
+step, bit for bit.
 """
 
 from __future__ import annotations
