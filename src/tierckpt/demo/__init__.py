@@ -70,7 +70,8 @@ def run_demo(*, steps: int = 40, workdir: str = "demo-output", memory_dir: str =
     memory = [tempfile.mkdtemp(prefix=f"demo-node{n}-", dir=memory_dir) for n in (0, 1)]
     kill_at = max(4, steps // 3)
     print(f"tierckpt demo: tierckpt run, 2 nodes x 1 worker (gloo on 127.0.0.1), {steps} steps, a memory "
-          f"checkpoint every step;\n  SIGKILL of the worker on node 1 after step {kill_at}; logs in {work}")
+          f"checkpoint every step;\n  SIGKILL of the worker on node 1 after step {kill_at} once the standbys are ready; "
+          f"logs in {work}")
     procs = _start(work, memory, steps)
     try:
         return _watch(work, procs, kill_at)
