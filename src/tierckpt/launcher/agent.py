@@ -355,7 +355,7 @@ class TierckptAgent(LocalElasticAgent):
             return self._loop()
         except _store_errors() as exc:  # the rendezvous store (its host agent) is gone
             self._stop_now()
-            self.events.emit("fault", generation=self.generation, reason="LostStore", node=None, rank=None,
+            self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None,
                              detail=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self._persist(barrier=False)
             self.exit_code = FULL_RESTART_EXIT
