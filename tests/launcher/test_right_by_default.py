@@ -111,3 +111,23 @@ def test_torchs_file_timer_watchdog_kills_a_stuck_worker(tmp_path: Path) -> None
     assert fault["detail"].startswith("killed by SIGKILL (torch's file timer"), (fault, proc.stderr[-2000:])
     last = read_jsonl(events)[-1]
     assert last["why"] == "--max-restarts 0 reached", last
+
+
+def test_the_resume_bound_survives_a_full_job_restart(make_job: Callable[..., LocalJob], tmp_path: Path) -> None:
+    """numRestartBeforeFullJobRestart 0: the NaN's fault is a full job restart (exit 75); the
+    restart-state file keeps the bound and the recreated agents' workers get it."""
+    import json
+
+    path = tmp_path / "job.yaml"
+    path.write_text("jobMaxRetryCount: 5\nrestartPolicy:\n  numRestartBeforeFullJobRestart: 0\n"
+                    "  evalPeriodSeconds: 3600\n")
+    job = make_job(train=["--steps", "20", "--fault", "nan", "--fault-step", "6"], job_file=path)
+    job.start()
+    assert job.wait_exit(150) == {0: 75, 1: 75}, job.report()
+    for node in range(2):
+        state = json.loads((Path(job.memory[node]) / ".tierckpt-run" / f"{job.rdzv_id}.json").read_text())
+        assert state["resume_before"] == 6 and state["next_generation"] == 1 and state["restarts"] == 1, state
+    job.start()
+    assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
+    for r in RANKS:
+        assert _start(job, r, 1)["resume_before"] == "6", job.trace(r)
