@@ -10,10 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
+import time
 
 from tierckpt.errors import ConfigError
 
-__all__ = ["check_endpoint", "check_script", "check_writable_dir", "check_writable_file"]
+__all__ = ["RESOLVE_WAIT_S", "check_endpoint", "check_script", "check_writable_dir", "check_writable_file"]
 
 _DEFAULT_RDZV_PORT = 29400  # torch's c10d rendezvous default
 
@@ -54,20 +56,37 @@ def check_writable_file(option: str, path: str) -> None:
         raise ConfigError(f"{option} {path}: the folder {folder} is not writable by this user; pick another")
 
 
-def check_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST[:PORT]`` (torch's syntax, IPv6 in brackets) whose host resolves; (host, port)."""
+#: how long a rendezvous host that does not resolve yet is waited for (a Kubernetes headless
+#: service's name appears seconds after the pods start)
+RESOLVE_WAIT_S = 30.0
+
+
+def check_endpoint(endpoint: str, *, wait_s: float = RESOLVE_WAIT_S) -> tuple[str, int]:
+    """``HOST[:PORT]`` (torch's syntax, IPv6 in brackets) whose host resolves within ``wait_s``
+    (one line on stderr says it is waited for); (host, port)."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     try:
         host, port = parse_rendezvous_endpoint(endpoint, default_port=_DEFAULT_RDZV_PORT)
     except ValueError as exc:
         raise ConfigError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT ({exc}); e.g. head-node:29400") from None
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        raise ConfigError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve ({exc}); "
-                          "give the rendezvous host's name or address as every node can reach it") from None
-    return host, port
+    deadline = time.monotonic() + wait_s
+    told = False
+    while True:
+        try:
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            return host, port
+        except UnicodeError as exc:
+            raise ConfigError(f"--rdzv-endpoint {endpoint!r}: {host!r} is not a host name ({exc})") from None
+        except socket.gaierror as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"--rdzv-endpoint {endpoint!r}: host {host!r} does not resolve ({exc}); give "
+                                  "the rendezvous host's name or address as every node can reach it") from None
+            if not told:
+                print(f"tierckpt run: waiting up to {wait_s:g}s for {host} to resolve ({exc})", file=sys.stderr,
+                      flush=True)
+                told = True
+            time.sleep(1.0)
 
 
 def check_script(script: str | None, *, module: bool, no_python: bool) -> None:
