@@ -2,10 +2,10 @@
 
 Started by the agent (``tierckpt.launcher.warm.StandbyPool``) as
 
-    python -u -m tierckpt.launcher.standby FD MODULE,MODULE... SPAWN_TIME [idle|normal]
+    python -u -m tierckpt.launcher.standby FD MODULE,MODULE... SPAWN_TIME
 
-Call order: with ``idle``, switch to ``SCHED_IDLE`` (its imports take only CPU nothing else
-wants: it is spawned right after a restart, beside the new workers); import torch, the modules the DDP constructor imports lazily, and the user's
+Call order (a spare is put at ``SCHED_IDLE`` by the agent as it is spawned, and back to
+``SCHED_OTHER`` as a rank is handed to it): import torch, the modules the DDP constructor imports lazily, and the user's
 ``--warm-imports`` (a failing import is reported on stderr and skipped: the script will meet
 it again itself); ``gc.freeze()`` what they created; never touch CUDA; send ``R`` on the socket FD (ready); block until the agent
 hands over a rank: one SEQPACKET message, JSON ``{"env", "args", "cwd"}`` with the worker's
@@ -98,20 +98,22 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     return json.loads(data.decode()), list(fds)
 
 
-def set_idle(idle: bool) -> None:
-    """``SCHED_IDLE`` (True) or ``SCHED_OTHER`` (False) for every thread of this process.
+def set_idle(idle: bool, pid: int | None = None) -> None:
+    """``SCHED_IDLE`` (True) or ``SCHED_OTHER`` (False) for every thread of process ``pid`` (None:
+    this one).
 
     Linux lets an unprivileged process leave ``SCHED_IDLE`` for ``SCHED_OTHER`` at its own nice
-    value (unlike a raised nice value, which it could not lower again); threads created while
-    idle inherit it, so all are switched back. A refusal leaves the policy as it was (reported).
+    value (unlike a raised nice value, which it could not lower again), for its own threads and
+    those of its user's processes; threads created while idle inherit it, so all are switched.
+    A refusal leaves the policy as it was (reported on stderr).
     """
     policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
     if policy is None:  # not Linux
         return
     try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
+        tids = [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
     except OSError:
-        tids = [0]
+        tids = [0] if pid is None else [pid]
     for tid in tids:
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
@@ -153,8 +155,6 @@ def main() -> None:
     fd = int(sys.argv[1])
     names = [*DEFAULT_IMPORTS, *(n for n in (sys.argv[2] if len(sys.argv) > 2 else "").split(",") if n)]
     spawned = sys.argv[3] if len(sys.argv) > 3 else f"{time.time():.6f}"  # the agent's clock at spawn
-    if len(sys.argv) > 4 and sys.argv[4] == "idle":
-        set_idle(True)
     sock = socket.socket(fileno=fd)
     _warm_up(names)
     # the imports' objects live as long as the process: keep them out of every collection,

@@ -35,6 +35,8 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import (
     get_subprocess_handler,
 )
 
+from tierckpt.launcher.standby import set_idle
+
 __all__ = ["IMPORT_TIME_PREFIXES", "Standby", "StandbyPool", "WarmPolicy", "WarmSubprocessContext", "drain_closers",
            "kill_if_standby", "warmable"]
 
@@ -87,10 +89,12 @@ class Standby:
         try:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 [executable, "-u", "-m", "tierckpt.launcher.standby", str(theirs.fileno()), ",".join(imports),
-                 f"{self.started:.6f}", "idle" if idle else "normal"],
+                 f"{self.started:.6f}"],
                 env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
+        if idle:  # before Python started a thread: every thread it makes inherits the policy
+            set_idle(True, self.proc.pid)
         self.sock = ours
         self._ready = False
         self.ready_after_s: float | None = None  # spawn -> imports done, as first seen by ready()
@@ -115,6 +119,8 @@ class Standby:
 
     def hand_over(self, args: tuple[Any, ...], env: dict[str, str], stdout: int, stderr: int) -> None:
         """Send the rank's command line, environment and output descriptors; OSError if it is gone."""
+        if self.idle:  # still importing at SCHED_IDLE, perhaps: it is the rank's process from now on
+            set_idle(False, self.pid)
         body = json.dumps({"executable": self.executable, "args": [str(a) for a in args], "env": env,
                            "cwd": os.getcwd()}).encode()
         socket.send_fds(self.sock, [body], [stdout, stderr])
