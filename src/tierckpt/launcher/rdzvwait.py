@@ -10,7 +10,8 @@ A daemon thread prints the line on stderr ``first_after_s`` after the round bega
 rendezvous state, which the waiting main thread re-reads from the store about once a second;
 this thread only reads it (``len`` of a dict). Private torch fields, read with ``getattr`` and
 a fallback: on a torch without them (or the static backend) the line says how many nodes are
-needed without the count (tests/unit/launcher/test_preflight.py covers both).
+needed without the count (the fallback: tests/unit/launcher/test_right_by_default.py; the
+count from torch: tests/launcher/test_right_by_default.py).
 """
 
 from __future__ import annotations
