@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
-           warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None)
+           warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None,
+           resume_before=os.environ.get("TIERCKPT_RESUME_BEFORE"))
     if faulty and args.fault == "crash_on_start":
         print("crashing on start (as asked)", flush=True)
         return 3
