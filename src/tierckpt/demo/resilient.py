@@ -10,7 +10,8 @@ and check which step was resumed.
 
 Faults on request (only in generation ``--fault-generation``, rank ``--fault-rank``):
 ``crash_on_start`` (exit 3 before the first step), ``nan`` (loss NaN at ``--fault-step``),
-``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step).
+``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step);
+with ``--fault-file PATH`` the fault starts at the first step that finds the file instead.
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-generation", type=int, default=0, help="-1: every generation")
     ap.add_argument("--fault-rank", type=int, default=1)
+    ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     rank_env = int(os.environ.get("RANK", "0"))
     trace = work / f"trace_rank{rank_env}.jsonl"
-    gen = int(os.environ.get("TIERCKPT_GENERATION", "0"))
+    gen = int(os.environ.get("TIERCKPT_GENERATION", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
@@ -111,18 +113,19 @@ def main(argv: list[str] | None = None) -> int:
                 p.grad /= world
             optim.step()
             value = float(loss)
-            if faulty and args.fault == "nan" and step >= args.fault_step:
+            due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
+            if due and args.fault == "nan":
                 value = math.nan
-            if faulty and args.fault == "exit" and step >= args.fault_step:
+            if due and args.fault == "exit":
                 print(f"exiting at step {step} (as asked)", flush=True)
                 return 3
-            if not (faulty and args.fault == "silent" and step >= args.fault_step):
+            if not (due and args.fault == "silent"):
                 print(f"Batch {step} Loss: {value:.5f}, Speed: {64 / max(time.time() - t_step, 1e-6):.2f} samples/sec",
                       flush=True)
             monitor.step(step, loss=value)
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
-            _trace(trace, "step", step=step, digest=_digest(model))
+            _trace(trace, "step", step=step, digest=_digest(model), **({"fault": args.fault} if due else {}))
             time.sleep(max(0.0, args.step_time - (time.time() - t_step)))
         ck.wait()
     _trace(trace, "done", step=args.steps)
