@@ -17,6 +17,8 @@ their next all-reduce, a collective that never returns).
 the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
 the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
 (sleeps) instead, like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
+With ``--fault-file PATH`` a fault starts at the first step that finds the file instead of at
+``--fault-step``.
 """
 
 from __future__ import annotations
@@ -83,13 +85,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-rank", type=int, default=-1, help="-1: every rank evaluates")
     ap.add_argument("--eval-idle", action="store_true")
     ap.add_argument("--eval-section-timeout", type=float, default=0.0)
+    ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     rank_env = int(os.environ.get("RANK", "0"))
     trace = work / f"trace_rank{rank_env}.jsonl"
-    gen = int(os.environ.get("TIERCKPT_GENERATION", "0"))
+    gen = int(os.environ.get("TIERCKPT_GENERATION", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
@@ -139,23 +142,24 @@ def main(argv: list[str] | None = None) -> int:
                 p.grad /= world
             optim.step()
             value = float(loss)
-            if faulty and args.fault == "nan" and step >= args.fault_step:
+            due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
+            if due and args.fault == "nan":
                 value = math.nan
-            if faulty and args.fault == "exit" and step >= args.fault_step:
+            if due and args.fault == "exit":
                 print(f"exiting at step {step} (as asked)", flush=True)
                 return 3
-            if faulty and args.fault == "hang" and step >= args.fault_step:
+            if due and args.fault == "hang":
                 print(f"blocking forever at step {step} (as asked)", flush=True)
                 import threading
 
                 threading.Event().wait()
-            if not (faulty and args.fault == "silent" and step >= args.fault_step):
+            if not (due and args.fault == "silent"):
                 print(f"Batch {step} Loss: {value:.5f}, Speed: {64 / max(time.time() - t_step, 1e-6):.2f} samples/sec",
                       flush=True)
             monitor.step(step, loss=value)
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
-            _trace(trace, "step", step=step, digest=_digest(model))
+            _trace(trace, "step", step=step, digest=_digest(model), **({"fault": args.fault} if due else {}))
             if args.eval_every and step % args.eval_every == 0:
                 seconds = args.eval_s if args.eval_rank in (-1, rank) else 0.0
                 if args.eval_section_timeout:
