@@ -10,6 +10,8 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.agent.hostile import (
     NS,
     back_to_baseline,
@@ -37,6 +39,7 @@ def _hold_connections(address: tuple[str, int], n: int, source: str = "127.0.0.1
     return out
 
 
+@pytest.mark.slow  # agents in subprocesses (each start imports torch)
 def test_listener_survives_emfile_and_threads_that_cannot_start(node_dir, tmp_path) -> None:
     """Item 1: descriptors run out (EMFILE), then threads cannot start: the listener lives on."""
     d = node_dir("a")
@@ -59,6 +62,7 @@ def test_listener_survives_emfile_and_threads_that_cannot_start(node_dir, tmp_pa
     assert tree_digest(tmp_path) == outside
 
 
+@pytest.mark.slow  # agents in subprocesses (each start imports torch)
 def test_connections_are_capped_and_trickling_peers_meet_deadlines(node_dir) -> None:
     """Item 2: per-address and total caps; a byte every so often does not keep a connection;
     announced lengths (frames, 64 MiB .metadata) pin no memory."""

@@ -59,21 +59,19 @@ def receive_replica(agent: Agent, req: p.Put, conn: Connection, peer: str) -> No
     reserved = 0
     try:
         refusal = _refusal(agent, req)
-        if refusal == "held":
-            conn.send({"op": "held"})
-            return
         if refusal is None:
             refusal = agent.reserve(req.nbytes)
             reserved = 0 if refusal else req.nbytes
-        if refusal:
-            conn.send({"op": "error", "message": refusal})
-            return
-        conn.send({"op": "ready"})
-        conn.set_deadline(agent.config.limits.bulk_s(req.nbytes))
-        _stage_and_commit(agent, req, conn)
+        if refusal == "held":
+            reply = {"op": "held"}
+        elif refusal:
+            reply = {"op": "error", "message": refusal}
+        else:
+            reply = _stage_and_commit(agent, req, conn)
     finally:
         agent.release(reserved)
         agent.end_put(key)
+    conn.send(reply)  # once the claim is released: the sender may put again at once
 
 
 def _refusal(agent: Agent, req: p.Put) -> str | None:
@@ -93,28 +91,36 @@ def _refusal(agent: Agent, req: p.Put) -> str | None:
     return "held" if mf.save_id == req.save_id else None
 
 
-def _stage_and_commit(agent: Agent, req: p.Put, conn: Connection) -> None:
-    store = agent.store
-    parts = store.parts("replica", req.origin, req.namespace)
+def _stage_and_commit(agent: Agent, req: p.Put, conn: Connection) -> dict[str, str]:
+    """This connection's own staging directory (a link on the way: ``error`` before ``ready``), the
+    bytes, the checks, the commit; the staging directory is gone afterwards whatever happened."""
+    parts = agent.store.parts("replica", req.origin, req.namespace)
     staging = f"{layout.staging_dir_name(req.step, req.save_id)}.{uuid.uuid4().hex[:12]}"
     t0 = time.perf_counter()
-    with safefs.open_dir(store.root, [*parts, layout.STAGING], create=True) as stage_root:
-        os.mkdir(staging, 0o700, dir_fd=stage_root)
-        try:
-            with safefs.open_dir(store.root, [*parts, layout.STAGING, staging]) as sfd:
-                _touch(sfd, f".owner-{_HOST}-{os.getpid()}")
-                problem = _receive_files(req, conn, sfd)
-                if problem is None:
-                    problem = _commit(agent, req, stage_root, staging, sfd)
-        finally:
-            safefs.remove_entry(stage_root, staging)  # gone after a commit: nothing to do
+    ready = False  # after ``ready`` the peer is sending: an OSError then ends the connection
+    try:
+        with safefs.open_dir(agent.store.root, [*parts, layout.STAGING], create=True) as stage_root:
+            os.mkdir(staging, 0o700, dir_fd=stage_root)
+            try:
+                with safefs.open_dir(agent.store.root, [*parts, layout.STAGING, staging]) as sfd:
+                    _touch(sfd, f".owner-{_HOST}-{os.getpid()}")
+                    ready = True
+                    conn.send({"op": "ready"})
+                    conn.set_deadline(agent.config.limits.bulk_s(req.nbytes))
+                    problem = _receive_files(req, conn, sfd) or _commit(agent, req, stage_root, staging, sfd)
+            finally:
+                safefs.remove_entry(stage_root, staging)  # gone after a commit: nothing to do
+    except OSError as exc:
+        if ready:
+            raise
+        return {"op": "error", "message": f"cannot stage a replica of {req.namespace}/step_{req.step} from "
+                                          f"{req.origin}: {_describe(exc)}"}
     if problem is not None:
-        conn.send({"op": "error", "message": problem})
-        return
+        return {"op": "error", "message": problem}
     _drop_unkept(agent, req)
     _log.info("[Agent %s] Step %d: stored a replica of %s from %s in %s", agent.node_id, req.step,
               req.namespace, req.origin, throughput(req.nbytes, time.perf_counter() - t0))
-    conn.send({"op": "stored"})
+    return {"op": "stored"}
 
 
 def _receive_files(req: p.Put, conn: Connection, sfd: int) -> str | None:
@@ -196,7 +202,7 @@ def _commit(agent: Agent, req: p.Put, stage_root: int, staging: str, sfd: int) -
     store = agent.store
     name = layout.step_dir_name(req.step)
     try:
-        agent.settle(req.nbytes)
+        agent.settle()
         store.set_owner(req.origin, req.namespace, req.step, req.owner)
         os.unlink(f".owner-{_HOST}-{os.getpid()}", dir_fd=sfd)  # a committed step holds the step's files only
         with safefs.open_dir(store.root, store.parts("replica", req.origin, req.namespace)) as nfd:

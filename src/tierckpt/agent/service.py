@@ -212,8 +212,8 @@ class Agent:
         budget = self.config.budget_bytes
         if budget is None:
             return True
-        with self._lock:
-            return self._evict_to(budget - self._reserved - extra)
+        with self._lock:  # bytes of puts in flight count once staged; reservations only gate admission
+            return self._evict_to(budget - extra)
 
     def _evict_to(self, target: int) -> bool:
         used = self.store.usage_bytes()
@@ -251,12 +251,12 @@ class Agent:
         with self._lock:
             self._reserved -= nbytes
 
-    def settle(self, nbytes: int) -> None:
+    def settle(self) -> None:
         """A reserved replica's bytes are staged (counted in usage now): evict what the budget needs."""
         budget = self.config.budget_bytes
         if budget is not None:
             with self._lock:
-                self._evict_to(budget - (self._reserved - nbytes))
+                self._evict_to(budget)
 
     def evict(self, victim: Held) -> None:
         self.store.delete(victim)
