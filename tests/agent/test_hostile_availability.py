@@ -175,7 +175,7 @@ def test_a_listing_of_many_names_is_streamed(node_dir, agent) -> None:
     step_dir = Path(d, NS, "step_1")
     mf = layout.Manifest.from_bytes((step_dir / layout.MANIFEST).read_bytes())
     names = {f"__{i}_0.distcp": 1 for i in range(60_000)}
-    big = layout.Manifest(NS, 1, mf.save_id, 60_000, mf.metadata_xxh3, {**mf.files, **names}, mf.items)
+    big = layout.Manifest(NS, 1, mf.save_id, 60_000, mf.metadata_xxh3, {**names, **mf.files}, mf.items)
     raw = big.to_bytes()
     (step_dir / layout.MANIFEST).write_bytes(raw)
     (step_dir / layout.MARKER).write_bytes(layout.marker_bytes(mf.save_id, raw))

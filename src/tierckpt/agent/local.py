@@ -208,7 +208,7 @@ def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
         return
     client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
     try:
-        client.sock.settimeout(max(60.0, size / 50e6))
+        client.set_deadline(agent.config.limits.bulk_s(size))
         client.get_into(ns, h.origin, step, name, dest, expect_size=size, check=check)
     finally:
         client.close()
@@ -235,7 +235,7 @@ def _get_parallel(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
             offset, length, recs = part
             client = PeerClient.connect(address, agent.node_id, agent.config.secret)
             try:
-                client.sock.settimeout(max(60.0, length / 50e6))
+                client.set_deadline(agent.config.limits.bulk_s(length))
                 client.get_range_into(ns, h.origin, step, name, fd, offset, length,
                                       StreamCheck(recs, where, start=offset))
             finally:

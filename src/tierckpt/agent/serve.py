@@ -15,6 +15,7 @@ import os
 import socket
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
@@ -173,7 +174,5 @@ def _unpin(agent: Agent, req: p.Get, pin: str) -> None:
         pass
 
 
-def _fd_path(fd: int) -> Any:
-    from pathlib import Path
-
-    return Path(f"/proc/self/fd/{fd}")
+def _fd_path(fd: int) -> Path:
+    return Path(f"/proc/self/fd/{fd}")  # the open file itself: no path lookup, no link followed

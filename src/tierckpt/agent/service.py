@@ -83,6 +83,7 @@ class Agent:
         self.last_fetch: dict[str, Any] = {}
         self._reserved = 0
         self._puts: set[tuple[str, str, int]] = set()
+        self._refresher: threading.Thread | None = None
         Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
         self.owner_token = _owner_token(config.memory_dir)
         self.store.gc()
@@ -117,7 +118,7 @@ class Agent:
     def tick(self) -> None:
         """One round: refresh peers, replicate newest steps, enforce the budget."""
         if time.monotonic() - self._peers_checked > PEER_REFRESH_S or len(self.peer_ids) < len(self.config.peers):
-            self._refresh_peers()
+            self._refresh_peers_in_background()
         if self.config.replicas > 0:
             self.replicator.round(REPLICATION_WAIT_S)
         self.enforce_budget(0)
@@ -152,6 +153,16 @@ class Agent:
             self.config = replace(self.config, peers=merged)
             self._peers_checked = 0.0
         self._wake.set()
+
+    def _refresh_peers_in_background(self) -> None:
+        """Start a refresh unless one runs: the round goes on with the ids known so far, so a
+        stuck peer holds up neither the budget nor the drain lag (the refresh waits on it alone)."""
+        if self._refresher is not None and self._refresher.is_alive():
+            return
+        self._peers_checked = time.monotonic()
+        self._refresher = threading.Thread(target=self._refresh_peers, name="tierckpt-agent-peers", daemon=True)
+        self._refresher.start()
+        self._refresher.join(0.5)  # peers that answer at once are in this round's ring
 
     def _refresh_peers(self) -> None:
         """Every peer's node id, all asked at once; one that does not answer within the deadline is
