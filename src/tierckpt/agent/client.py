@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from tierckpt.agent import protocol as p
 from tierckpt.agent.transfer import StreamCheck
-from tierckpt.agent.wire import Connection
+from tierckpt.agent.wire import Connection, DigestCache
 from tierckpt.errors import IntegrityError, TierckptError
 
 __all__ = ["Connection", "PeerClient", "PeerError", "ask_all"]  # Connection: from wire
@@ -143,7 +143,7 @@ class PeerClient(Connection):
         self.recv_into_file(fd, length, check, at=offset)
 
     def put(self, namespace: str, origin: str, step: int, save_id: str, files: Sequence[tuple[str, Path | bytes]],
-            keep: Sequence[int], owner: str) -> None:
+            keep: Sequence[int], owner: str, digests: DigestCache | None = None) -> None:
         """Send a step's files (paths mapped and sent with sendfile, bytes as they are); returns once
         stored, or when the peer already holds this save."""
         sizes = [(n, src.stat().st_size if isinstance(src, Path) else len(src)) for n, src in files]
@@ -159,7 +159,7 @@ class PeerClient(Connection):
                 try:
                     if os.fstat(fd).st_size != size:
                         raise PeerError(f"{src} changed size while being sent")
-                    self.send_fd(fd, 0, size)
+                    self.send_fd(fd, 0, size, digests=digests)
                 finally:
                     os.close(fd)
             else:

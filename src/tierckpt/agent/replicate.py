@@ -125,7 +125,7 @@ class Replicator:
                                         timeout=agent.config.limits.handshake_s)
             try:
                 client.set_deadline(agent.config.limits.bulk_s(nbytes))
-                client.put(ns, agent.node_id, step, save_id, files, keep, agent.owner_token)
+                client.put(ns, agent.node_id, step, save_id, files, keep, agent.owner_token, agent.digests)
             finally:
                 client.close()
         except (PeerError, p.ProtocolViolation, OSError) as exc:

@@ -31,6 +31,7 @@ from tierckpt.agent.replicate import Replicator
 from tierckpt.agent.serve import serve_get, serve_list
 from tierckpt.agent.server import LocalServer, PeerServer
 from tierckpt.agent.store import Held, NodeStore, select_evictions
+from tierckpt.agent.wire import DigestCache
 from tierckpt.observability import get_logger
 
 __all__ = ["Agent", "ring_targets"]
@@ -88,6 +89,7 @@ class Agent:
         self.owner_token = _owner_token(config.memory_dir)
         self.store.gc()
         self.replicator = Replicator(self)
+        self.digests = DigestCache()  # SHA-256 of segments already sent (see wire.Connection.send_fd)
         self.peer_server = PeerServer(self, *config.listen)
         self.address = self.peer_server.address
         self.local_server = LocalServer(self, Path(config.memory_dir) / layout.AGENT_SOCKET)
