@@ -1,0 +1,85 @@
+"""A failing memory tier falls back to the durable tier (issue 19, item 6).
+
+Real failures: a 4 MiB tmpfs that a step does not fit (ENOSPC), a read-only tmpfs (the memory
+directory cannot be written). The save goes to the durable tier with one warning naming the
+cause and a metric, and loads back bitwise; without a durable tier it fails, typed, as before,
+and the previous step stays loadable.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tierckpt.metrics
+from tierckpt import CheckpointConfig, Checkpointer, StorageError
+
+FALLBACK_WARNING = "the memory tier failed"
+
+
+def state(step: int, rows: int = 768) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(rows, 1024, generator=g), "step": torch.tensor(step)}  # rows=768: 3 MiB
+
+
+def loads_bitwise(ck: Checkpointer, step: int, rows: int = 768) -> list[str]:
+    out = {"w": torch.zeros(rows, 1024), "step": torch.tensor(0)}
+    assert ck.load(out, step=step) == step
+    want = state(step, rows)
+    assert torch.equal(out["w"], want["w"]) and torch.equal(out["step"], want["step"])
+    return sorted(ck.last_load["tiers"])
+
+
+@pytest.fixture
+def fallback_metrics() -> Any:
+    m = tierckpt.metrics.enable()
+    yield m
+    tierckpt.metrics.disable()
+
+
+def test_full_memory_tier_falls_back_to_the_durable_tier(small_tmpfs: Any, durable_dir: Path, fallback_metrics: Any,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    mem = small_tmpfs("4m")
+    cfg = CheckpointConfig(namespace="fb", memory_dir=str(mem), durable_url=f"file://{durable_dir}",
+                           durable_every_n_steps=0, memory_steps_retained=2)
+    with Checkpointer(cfg) as ck, caplog.at_level(logging.INFO, logger="tierckpt"):
+        first = ck.save(1, state(1))  # 3 MiB fits the 4 MiB tmpfs: memory
+        first.result()
+        assert first.fallback is None
+        handles = [ck.save(s, state(s)) for s in (2, 3)]  # the newest step keeps its slot: no room for another
+        ck.wait()
+        assert [h.fallback for h in handles] == ["no_space", "no_space"]
+        warned = [r for r in caplog.records if FALLBACK_WARNING in r.getMessage() and r.levelno == logging.WARNING]
+        assert len(warned) == 1 and "no_space" in warned[0].getMessage() and "full" in warned[0].getMessage()
+        assert fallback_metrics.fallbacks.value(namespace="fb", cause="no_space") == 2
+        tiers = {s.step: set(s.tiers) for s in ck.steps()}
+        assert tiers == {1: {"memory"}, 2: {"durable"}, 3: {"durable"}}
+    with Checkpointer(cfg) as ck:  # a fresh process view: the durable steps load, verified, bitwise
+        assert loads_bitwise(ck, 3) == ["durable"]
+        assert loads_bitwise(ck, 1) == ["memory"]  # the previous good step is untouched
+
+
+def test_unwritable_memory_dir_falls_back(small_tmpfs: Any, durable_dir: Path, fallback_metrics: Any) -> None:
+    mem = small_tmpfs("4m", ro=True)
+    cfg = CheckpointConfig(namespace="fbro", memory_dir=str(mem), durable_url=f"file://{durable_dir}")
+    with Checkpointer(cfg) as ck:
+        handle = ck.save(4, state(4, rows=64))
+        handle.result()
+        assert handle.fallback == "unwritable"
+        assert fallback_metrics.fallbacks.value(namespace="fbro", cause="unwritable") == 1
+        assert loads_bitwise(ck, 4, rows=64) == ["durable"]
+
+
+def test_without_a_durable_tier_the_save_fails_typed(small_tmpfs: Any) -> None:
+    mem = small_tmpfs("4m")
+    cfg = CheckpointConfig(namespace="fbnone", memory_dir=str(mem), durable_url=None)
+    with Checkpointer(cfg) as ck:
+        ck.save(1, state(1)).result()
+        with pytest.raises(StorageError, match="file system is full") as info:
+            ck.save(2, state(2))
+        assert info.value.tier == "memory"
+        assert loads_bitwise(ck, 1) == ["memory"]
