@@ -201,6 +201,7 @@ class SavePath:
             self._staged(snap, handle)  # an overlapped copy lands (or fails) here
             if self._can_fall_back and fallback.agree(handle.fallback is not None,
                                                       None if self.local else self.topo.commit_group):
+                handle.fallback = handle.fallback or "other_rank"
                 self._save_durable_only(step, snap, handle, watch)
                 return
             in_dcp = True
