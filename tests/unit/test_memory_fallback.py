@@ -83,3 +83,20 @@ def test_without_a_durable_tier_the_save_fails_typed(small_tmpfs: Any) -> None:
             ck.save(2, state(2))
         assert info.value.tier == "memory"
         assert loads_bitwise(ck, 1) == ["memory"]
+
+
+def test_a_memory_commit_that_runs_out_of_space_falls_back(small_tmpfs: Any, durable_dir: Path,
+                                                           fallback_metrics: Any) -> None:
+    """The slot fits the tmpfs to the last page; the step's .metadata then does not (inside DCP's save)."""
+    mem = small_tmpfs("4m")
+    rows = 1023  # the slot takes every page of the 4 MiB tmpfs, headers included
+    cfg = CheckpointConfig(namespace="fbc", memory_dir=str(mem), durable_url=f"file://{durable_dir}",
+                           durable_every_n_steps=0)
+    with Checkpointer(cfg) as ck:
+        handle = ck.save(7, {"w": state(7, rows)["w"]})
+        handle.result()
+        assert handle.fallback == "no_space"
+        assert fallback_metrics.fallbacks.value(namespace="fbc", cause="no_space") == 1
+        out = {"w": torch.zeros(rows, 1024)}
+        assert ck.load(out, step=7) == 7 and ck.last_load["tiers"] == ["durable"]
+        assert torch.equal(out["w"], state(7, rows)["w"])
