@@ -21,21 +21,20 @@ from __future__ import annotations
 
 import errno
 import mmap
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 
-from tierckpt import layout
+from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo
 from tierckpt.dcp.writer import TieredStorageWriter, _checksums, _durable_tier, _ItemInfo, _PlanData, _spans
-from tierckpt.errors import MemoryBudgetError, ProtocolError, StorageError, TierckptError
+from tierckpt.errors import DurableWriteError, MemoryBudgetError, ProtocolError, StorageError, TierckptError
 from tierckpt.observability import StepLogger
-from tierckpt.record import dumps_metadata
 from tierckpt.runtime import RankRuntime
 from tierckpt.snapshot import Snapshot, Stager
 from tierckpt.staging import Slot
@@ -113,8 +112,9 @@ def agree(failed: bool, group: Any) -> bool:
 class DurableWriter(TieredStorageWriter):
     """Writes one step to the durable tier only: the same files, checksums and manifest, marker last.
 
-    The caller sets ``_snapshot`` (a slot or heap copy) and ``_release``; DCP then drives it as
-    any writer (``write_data`` on every rank, ``finish`` on the coordinator).
+    The caller (``SavePath``) sets ``_snapshot`` (a slot or heap copy); DCP then drives it as
+    any writer (``write_data`` on every rank, ``finish`` on the coordinator, which
+    ``commit_instead`` turns into a durable-only commit).
     """
 
     def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: _PlanData, rt: RankRuntime,
@@ -122,53 +122,117 @@ class DurableWriter(TieredStorageWriter):
         snap, self._snapshot = self._snapshot, None
         if snap is None:
             raise ProtocolError("the durable fallback needs the step's copy (DurableWriter._snapshot)")
-        durable = _durable_tier(rt, step)
-        extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
-        view = memoryview(snap.slot._mm) if snap.slot._mm is not None else memoryview(b"")
-        try:
-            snap.wait_copied()
-            spans, extras = _spans(plan.items, planner, snap, pd.file_name, extra_name)
-            digests = _checksums(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
-            sizes = {pd.file_name: snap.nbytes, extra_name: len(extras)}
-            files: dict[str, memoryview | bytes] = {pd.file_name: view[: snap.nbytes]}
-            if extras:
-                files[extra_name] = bytes(extras)
-            with log.timed(step, f"Durable write, memory tier bypassed ({durable.location(step)})",
-                           snap.nbytes + len(extras)):
-                for name, source in files.items():
-                    durable.put_file(step, pd.save_id, name, source)
-        finally:
-            view.release()
-            release(rt, snap)
-        self.files_written = sorted(files)
-        return [
-            WriteResult(index=item.index, size_in_bytes=length,
-                        storage_data=_ItemInfo(StorageInfo(name, offset, length), data_offset, digest, sizes[name]))
-            for (item, name, offset, length, data_offset), digest in zip(spans, digests, strict=True)
-        ]
+        return write_durable(self, snap, plan, planner, pd, log, "memory tier bypassed")
 
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        rt, step = self.runtime, self.step
-        infos: dict[MetadataIndex, _ItemInfo] = {wr.index: wr.storage_data for rr in results for wr in rr}
-        save_id = self.save_id
-        if save_id is None:
-            raise ProtocolError("finish called before write_data")
-        metadata.storage_data = {idx: info.storage for idx, info in infos.items()}
-        md_raw = dumps_metadata(metadata)
-        manifest = layout.Manifest(
-            namespace=self.config.namespace, step=step, save_id=save_id, world_size=len(results),
-            metadata_xxh3=layout.checksum(md_raw),
-            files={i.storage.relative_path: i.file_size for i in infos.values()},
-            items=tuple(
-                layout.ItemRecord(i.storage.relative_path, i.storage.offset, i.storage.length, i.data_offset, i.xxh3)
-                for i in sorted(infos.values(), key=lambda i: (i.storage.relative_path, i.storage.offset))
-            ),
-        )
-        mf_raw = manifest.to_bytes()
-        self._check_gate()
-        durable = _durable_tier(rt, step)
-        durable.commit(step, save_id, {layout.METADATA: md_raw, layout.MANIFEST: mf_raw})
-        self.committed = (md_raw, mf_raw)
-        StepLogger("writer", self.rank, self.config.logger).info(
-            step, "Committed to durable only (%s): the memory tier failed", durable.location(step))
-        rt.apply_retention(durable, rt.durable_retention)
+
+# -- the DCP plug-ins (TieredStorageWriter calls these three where the memory tier fails) --------
+def stage_instead(writer: TieredStorageWriter, err: BaseException, state_dict: dict[str, Any]) -> Snapshot:
+    """``stage`` could not copy into shared memory: copy into process memory when the save goes durable."""
+    cause = memory_failure(err)
+    if cause is None or not _goes_durable(writer):
+        raise err from err.__cause__
+    _warn(writer, cause, err)
+    writer._memory_failure = err
+    return heap_stager().stage(guard.saveable(state_dict, writer.step))
+
+
+def write_instead(writer: TieredStorageWriter, exc: BaseException, plan: SavePlan, planner: SavePlanner,
+                  pd: _PlanData, log: StepLogger) -> list[WriteResult]:
+    """``write_data`` failed: when the memory tier is why and the save goes durable, write only there."""
+    err = guard.typed(exc, step=writer._step, tier="memory")
+    cause = memory_failure(err)
+    if cause is None or not _goes_durable(writer):
+        raise exc
+    if writer._memory_failure is None:
+        _warn(writer, cause, err)
+    writer.runtime.memory.abort(writer.step, pd.save_id)  # this rank's staged memory files, if any
+    snap, writer._snapshot = writer._snapshot, None
+    if snap is None or snap.slot.path != HEAP:  # the slot was handed back: copy what DCP resolves
+        if snap is not None:
+            release(writer.runtime, snap)
+        snap = heap_stager().stage_items(plan.items, planner)
+    return write_durable(writer, snap, plan, planner, pd, log, f"rank {writer.rank}: {cause}: {err}")
+
+
+def commit_instead(writer: TieredStorageWriter, infos: Iterable[_ItemInfo], save_id: str,
+                   small: dict[str, bytes]) -> bool:
+    """Commit the memory tier (False), or, where it failed on some rank, the durable tier alone (True)."""
+    rt, step = writer.runtime, writer.step
+    infos = list(infos)
+    failed = sorted({i.memory_error for i in infos if i.memory_error})
+    if not failed:
+        try:
+            rt.memory.commit(step, save_id, small)
+            return False
+        except StorageError as exc:
+            cause = memory_failure(exc)
+            if cause is None or not _goes_durable(writer):
+                raise
+            _warn(writer, cause, exc)
+            failed = [f"rank {writer.rank}: {cause}: {exc}"]
+    rt.memory.abort(step, save_id)
+    broken = sorted({i.durable_error for i in infos if i.durable_error})
+    if broken:
+        raise DurableWriteError(f"step {step} was not saved: the memory tier failed ({'; '.join(failed)}) and "
+                                f"so did the durable copy: {'; '.join(broken)}", tier="durable", step=step)
+    durable = _durable_tier(rt, step)
+    try:
+        durable.commit(step, save_id, small)
+    except StorageError as exc:
+        raise DurableWriteError(f"step {step} was not saved: the memory tier failed ({'; '.join(failed)}) and so "
+                                f"did the durable commit: {exc}", tier="durable", step=step) from exc
+    writer.committed = (small[layout.METADATA], small[layout.MANIFEST])
+    StepLogger("writer", writer.rank, writer.config.logger).info(
+        step, "Committed to the durable tier only (%s): %s", durable.location(step), "; ".join(failed))
+    rt.apply_retention(durable, rt.durable_retention)
+    return True
+
+
+def write_durable(writer: TieredStorageWriter, snap: Snapshot, plan: SavePlan, planner: SavePlanner,
+                  pd: _PlanData, log: StepLogger, memory_error: str) -> list[WriteResult]:
+    """This rank's files of the step from ``snap`` to the durable tier; ``snap`` is released."""
+    rt, step = writer.runtime, writer.step
+    durable = _durable_tier(rt, step)
+    extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
+    view = memoryview(snap.slot._mm) if snap.slot._mm is not None else memoryview(b"")
+    files: dict[str, memoryview | bytes] = {}
+    try:
+        snap.wait_copied()
+        spans, extras = _spans(plan.items, planner, snap, pd.file_name, extra_name)
+        digests = _checksums(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
+        sizes = {pd.file_name: snap.nbytes, extra_name: len(extras)}
+        files[pd.file_name] = view[: snap.nbytes]
+        if extras:
+            files[extra_name] = bytes(extras)
+        with log.timed(step, f"Durable write, memory tier bypassed ({durable.location(step)})",
+                       snap.nbytes + len(extras)):
+            for name, source in files.items():
+                durable.put_file(step, pd.save_id, name, source)
+    finally:
+        for source in files.values():
+            if isinstance(source, memoryview):
+                source.release()
+        view.release()
+        release(rt, snap)
+    writer.files_written = sorted(files)
+    return [
+        WriteResult(index=item.index, size_in_bytes=length,
+                    storage_data=_ItemInfo(StorageInfo(name, offset, length), data_offset, digest, sizes[name],
+                                           memory_error=memory_error))
+        for (item, name, offset, length, data_offset), digest in zip(spans, digests, strict=True)
+    ]
+
+
+def _goes_durable(writer: TieredStorageWriter) -> bool:
+    return writer.config.durable_url is not None and writer.durable
+
+
+def _warn(writer: TieredStorageWriter, cause: str, err: BaseException) -> None:
+    """Warn at a runtime's first fallback (later ones log at info); count each."""
+    rt = writer.runtime
+    metrics.memory_fallback(rt, cause)
+    log = StepLogger("writer", writer.rank, writer.config.logger)
+    say = log.info if rt.fallbacks else log.warning
+    rt.fallbacks += 1
+    say(writer.step, "the memory tier failed (%s: %s); this save goes straight to the durable tier (%s)",
+        cause, err, writer.config.durable_url)

@@ -42,6 +42,7 @@ class RankRuntime:
         #: errors that background threads (node commit) hit and that are bugs, not faults:
         #: raised by this rank's next save instead of being logged and forgotten
         self.background_errors: list[BaseException] = []
+        self.fallbacks = 0  #: saves the DCP plug-ins sent to the durable tier because the memory tier failed
         self.node_budget = NodeBudget(config.memory_dir, config.node_budget_bytes)
         self.pool = SlotPool(
             self.memory.ns_dir, rank,

@@ -35,3 +35,23 @@ def test_full_memory_tier_falls_back_to_s3(small_tmpfs: Any, s3_env: dict[str, s
             out = {"w": torch.zeros(1536, 1024)}
             assert ck.load(out, step=step) == step and ck.last_load["tiers"] == [tier]
             assert torch.equal(out["w"], _state(step)["w"])
+
+
+def test_compat_writer_falls_back_to_s3_as_the_reference_does(small_tmpfs: Any, s3_env: dict[str, str],
+                                                              bucket: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt.compat.sagemaker import (
+        SageMakerCheckpointConfig,
+        SageMakerTieredStorageReader,
+        SageMakerTieredStorageWriter,
+    )
+
+    mem = small_tmpfs("4m")
+    config = SageMakerCheckpointConfig(namespace="job-fb", world_size=1, s3_tier_base_path=f"s3://{bucket}/base",
+                                       save_to_s3=True, memory_dir=str(mem))
+    sd = _state(9)  # 6 MiB: does not fit the 4 MiB memory tier
+    dcp.save(sd, storage_writer=SageMakerTieredStorageWriter(config, step=9))
+    out = {"w": torch.zeros(1536, 1024)}
+    dcp.load(out, storage_reader=SageMakerTieredStorageReader(config, step=9))
+    assert torch.equal(out["w"], sd["w"])

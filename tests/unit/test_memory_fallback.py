@@ -100,3 +100,73 @@ def test_a_memory_commit_that_runs_out_of_space_falls_back(small_tmpfs: Any, dur
         out = {"w": torch.zeros(rows, 1024)}
         assert ck.load(out, step=7) == 7 and ck.last_load["tiers"] == ["durable"]
         assert torch.equal(out["w"], state(7, rows)["w"])
+
+
+# -- the DCP plug-ins ---------------------------------------------------------------------------
+def _plugin_cfg(mem: Path, durable_dir: Path, ns: str) -> CheckpointConfig:
+    return CheckpointConfig(namespace=ns, memory_dir=str(mem), durable_url=f"file://{durable_dir}",
+                            durable_every_n_steps=0)
+
+
+def _dcp_load(cfg: CheckpointConfig, step: int, rows: int) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import TieredStorageReader
+
+    out = {"w": torch.zeros(rows, 1024), "step": torch.tensor(0)}
+    dcp.load(out, storage_reader=TieredStorageReader(cfg, step=step))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_dcp_plugin_save_that_goes_durable_falls_back(small_tmpfs: Any, durable_dir: Path, fallback_metrics: Any,
+                                                      mode: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import TieredStorageWriter
+
+    mem = small_tmpfs("4m")
+    cfg = _plugin_cfg(mem, durable_dir, f"fbdcp-{mode}")
+    sd = state(5, rows=1536)  # 6 MiB: no slot of it fits the 4 MiB tmpfs
+    writer = TieredStorageWriter(cfg, step=5, durable=True)
+    if mode == "sync":
+        dcp.save(sd, storage_writer=writer)
+    else:
+        dcp.async_save(sd, storage_writer=writer).result()
+    assert fallback_metrics.fallbacks.value(namespace=cfg.namespace, cause="no_space") == 1
+    assert not (mem / cfg.namespace / "step_5").exists()
+    out = _dcp_load(cfg, 5, rows=1536)
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["step"], sd["step"])
+
+
+def test_dcp_plugin_memory_only_save_still_fails_typed(small_tmpfs: Any, durable_dir: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from tierckpt import TieredStorageWriter
+
+    mem = small_tmpfs("4m")
+    cfg = _plugin_cfg(mem, durable_dir, "fbdcp-mem")
+    with pytest.raises(CheckpointException) as info:  # no durable copy asked: nowhere to go (DCP wraps the error)
+        dcp.save(state(5, rows=1536), storage_writer=TieredStorageWriter(cfg, step=5, durable=False))
+    inner = next(iter(info.value.failures.values()))
+    inner = inner[0] if isinstance(inner, tuple) else inner
+    assert isinstance(inner, StorageError) and inner.tier == "memory" and "file system is full" in str(inner)
+    assert not list(durable_dir.rglob("COMMITTED"))
+
+
+def test_dcp_plugin_memory_commit_out_of_space_falls_back(small_tmpfs: Any, durable_dir: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from tierckpt import TieredStorageWriter
+
+    mem = small_tmpfs("4m")
+    cfg = _plugin_cfg(mem, durable_dir, "fbdcp-commit")
+    sd = {"w": state(6, rows=1023)["w"]}  # the slot takes every page; .metadata then does not fit
+    dcp.save(sd, storage_writer=TieredStorageWriter(cfg, step=6, durable=True))
+    out = {"w": torch.zeros(1023, 1024)}
+    import tierckpt
+
+    with tierckpt.Checkpointer(cfg) as ck:
+        assert ck.load(out, step=6) == 6 and ck.last_load["tiers"] == ["durable"]
+    assert torch.equal(out["w"], sd["w"])
