@@ -83,6 +83,8 @@ def memory_failure(exc: BaseException) -> str | None:
         if isinstance(seen, MemoryBudgetError):
             return None
         if isinstance(seen, TierckptError):
+            if seen.tier not in (None, "memory"):  # another tier's failure (the durable one's, say)
+                return None
             if isinstance(seen, StorageError) and seen.tier == "memory":
                 return _cause(seen)
         elif isinstance(seen, OSError):
@@ -139,7 +141,7 @@ def stage_instead(writer: TieredStorageWriter, err: BaseException, state_dict: d
 def write_instead(writer: TieredStorageWriter, exc: BaseException, plan: SavePlan, planner: SavePlanner,
                   pd: _PlanData, log: StepLogger) -> list[WriteResult]:
     """``write_data`` failed: when the memory tier is why and the save goes durable, write only there."""
-    err = guard.typed(exc, step=writer._step, tier="memory")
+    err = guard.typed(exc, step=writer._step)
     cause = memory_failure(err)
     if cause is None or not _goes_durable(writer):
         raise exc

@@ -170,3 +170,21 @@ def test_dcp_plugin_memory_commit_out_of_space_falls_back(small_tmpfs: Any, dura
     with tierckpt.Checkpointer(cfg) as ck:
         assert ck.load(out, step=6) == 6 and ck.last_load["tiers"] == ["durable"]
     assert torch.equal(out["w"], sd["w"])
+
+
+def test_only_memory_tier_failures_fall_back() -> None:
+    import errno
+
+    from tierckpt.errors import CheckpointFailedError, DurableWriteError, MemoryBudgetError
+    from tierckpt.fallback import memory_failure
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = CheckpointFailedError("checkpoint of step 1 failed")
+    wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
+    durable = DurableWriteError("durable put failed", tier="durable")
+    durable.__cause__ = full
+    assert memory_failure(StorageError("slot", tier="memory")) == "error"
+    assert memory_failure(full) == "no_space" and memory_failure(wrapped) == "unwritable"
+    assert memory_failure(durable) is None  # the durable tier's disk being full is not a memory failure
+    assert memory_failure(MemoryBudgetError("over the budget", tier="memory")) is None
+    assert memory_failure(ValueError("bad")) is None
