@@ -15,6 +15,7 @@ save with ``MemoryBudgetError``.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -22,10 +23,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tierckpt.errors import StorageError
+from tierckpt.errors import MemoryBudgetError, StorageError
 from tierckpt.tiers.peer import agent_socket, local_request
 
-__all__ = ["NodeBudget", "node_usage_bytes"]
+__all__ = ["NodeBudget", "no_room_error", "node_usage_bytes"]
 
 AGENT_REFRESH_S = 10.0  # how long the agent's budget is trusted before it is asked again
 _LOCK_NAME = ".budget.lock"
@@ -100,3 +101,46 @@ class NodeBudget:
             yield
         finally:
             os.close(fd)
+
+
+def no_room_error(nbytes: int, *, rank: int, held: int, free: int, where: Path, budget_bytes: int | None,
+                  node: NodeBudget | None) -> StorageError | MemoryBudgetError:
+    """Why a rank's new slot of ``nbytes`` cannot be had (its slots ``held``, ``free`` bytes in ``where``).
+
+    A cap that binds (the rank's ``budget_bytes``, else the node budget) is a MemoryBudgetError
+    naming the budget that works; no cap binding means the file system is full: a StorageError
+    with errno ENOSPC, which a save with a durable tier falls back from.
+    """
+    node_limit = node.limit() if node is not None else None
+    over_rank = budget_bytes is not None and held + nbytes > budget_bytes
+    over_node = node is not None and node_limit is not None and not node.fits(nbytes)
+    if over_rank:
+        return MemoryBudgetError(
+            f"rank {rank} needs {_mib(nbytes)} for a new slot but its slots already hold {_mib(held)} "
+            f"(budget {_mib(budget_bytes or 0)}, {_mib(free)} free in {where}) and no older step can be "
+            f"evicted; raise memory_budget_bytes to at least {held + nbytes} or free space in the memory "
+            "tier's file system",
+            tier="memory", rank=rank,
+        )
+    if over_node and node is not None and node_limit is not None:
+        used = node.used()
+        return MemoryBudgetError(
+            f"rank {rank} needs {_mib(nbytes)} for a new slot but the node's memory root already holds "
+            f"{_mib(used)} of its {_mib(node_limit)} budget and nothing more can be evicted (the newest "
+            "committed step, steps in use, and other jobs' steps stay); raise node_memory_budget (or the "
+            f"agent's --memory-budget) to at least {used + nbytes}, lower memory_steps_retained, or free "
+            "the memory root",
+            tier="memory", rank=rank,
+        )
+    full = StorageError(
+        f"the memory tier's file system is full: rank {rank} needs {_mib(nbytes)} for a new slot, "
+        f"{_mib(free)} are free in {where} and no older step can be evicted; free space there, give it "
+        "more room (a larger tmpfs) or lower memory_steps_retained",
+        tier="memory", rank=rank,
+    )
+    full.errno = errno.ENOSPC
+    return full
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB ({n} bytes)"

@@ -16,7 +16,6 @@ need (under a hidden name, published by a rename), so a later ``acquire`` finds 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import mmap
 import os
@@ -30,7 +29,7 @@ import torch
 
 from tierckpt import layout
 from tierckpt.errors import MemoryBudgetError, StorageError
-from tierckpt.nodebudget import NodeBudget
+from tierckpt.nodebudget import NodeBudget, no_room_error
 from tierckpt.tiers.local import pid_alive
 
 __all__ = ["Slot", "SlotPool"]
@@ -179,39 +178,10 @@ class SlotPool:
 
     def _no_room(self, nbytes: int) -> StorageError | MemoryBudgetError:
         """The error of a slot that nothing can make room for: a budget's, or a full file system's."""
-        held = sum(s.size for s in self._scan().values())
         st = os.statvfs(self.dir)
-        free = st.f_bavail * st.f_frsize
-        node_limit = self.node.limit() if self.node is not None else None
-        over_rank = self.budget_bytes is not None and held + nbytes > self.budget_bytes
-        over_node = node_limit is not None and self.node is not None and not self.node.fits(nbytes)
-        if not over_rank and not over_node:  # no cap binds: the memory tier's file system is full
-            full = StorageError(
-                f"the memory tier's file system is full: rank {self.rank} needs {_mib(nbytes)} for a new "
-                f"slot, {_mib(free)} are free in {self.dir.parent.parent.parent} and no older step can be "
-                "evicted; free space there, give it more room (a larger tmpfs) or lower memory_steps_retained",
-                tier="memory", rank=self.rank,
-            )
-            full.errno = errno.ENOSPC
-            return full
-        if over_node and self.node is not None and node_limit is not None:
-            used = self.node.used()
-            return MemoryBudgetError(
-                f"rank {self.rank} needs {_mib(nbytes)} for a new slot but the node's memory root already "
-                f"holds {_mib(used)} of its {_mib(node_limit)} budget and nothing more can be evicted (the "
-                "newest committed step, steps in use, and other jobs' steps stay); raise node_memory_budget "
-                f"(or the agent's --memory-budget) to at least {used + nbytes}, lower memory_steps_retained, "
-                "or free the memory root",
-                tier="memory", rank=self.rank,
-            )
-        return MemoryBudgetError(
-            f"rank {self.rank} needs {_mib(nbytes)} for a new slot but its slots already "
-            f"hold {_mib(held)} (budget {_mib(self.budget_bytes) if self.budget_bytes else 'none'}, "
-            f"{_mib(free)} free in {self.dir.parent.parent.parent}) and no "
-            f"older step can be evicted; raise memory_budget_bytes to at least {held + nbytes} "
-            "or free space in the memory tier's file system",
-            tier="memory", rank=self.rank,
-        )
+        return no_room_error(nbytes, rank=self.rank, held=sum(s.size for s in self._scan().values()),
+                             free=st.f_bavail * st.f_frsize, where=self.dir.parent.parent.parent,
+                             budget_bytes=self.budget_bytes, node=self.node)
 
     def _await_release(self, nbytes: int) -> Slot | None:
         """Wait for a slot that something other than the newest step holds to come free.
