@@ -188,3 +188,16 @@ def test_only_memory_tier_failures_fall_back() -> None:
     assert memory_failure(durable) is None  # the durable tier's disk being full is not a memory failure
     assert memory_failure(MemoryBudgetError("over the budget", tier="memory")) is None
     assert memory_failure(ValueError("bad")) is None
+
+
+def test_overlapped_save_falls_back_too(small_tmpfs: Any, durable_dir: Path) -> None:
+    mem = small_tmpfs("4m", ro=True)
+    cfg = CheckpointConfig(namespace="fbov", memory_dir=str(mem), durable_url=f"file://{durable_dir}")
+    with Checkpointer(cfg) as ck:
+        sd = state(8, rows=64)
+        handle = ck.save(8, sd, overlap=True)
+        handle.wait_staged()
+        sd["w"].add_(1.0)  # the caller's tensors may change once staged: the checkpoint keeps the old values
+        handle.result()
+        assert handle.fallback == "unwritable"
+        assert loads_bitwise(ck, 8, rows=64) == ["durable"]

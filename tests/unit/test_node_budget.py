@@ -103,3 +103,11 @@ def test_a_save_that_does_not_fit_fails_typed_and_keeps_the_previous_step(shm_ro
             ck.save(1, state(1))  # the newest committed step (0) is never evicted to make room
         out = {"w": torch.zeros(256, 1024)}
         assert ck.load(out) == 0 and torch.equal(out["w"], state(0)["w"])
+
+
+def test_node_budget_from_the_environment() -> None:
+    from tierckpt.config import node_ram_bytes
+
+    cfg = CheckpointConfig.from_env({"TIERCKPT_NAMESPACE": "env", "TIERCKPT_NODE_MEMORY_BUDGET": "40%"})
+    assert cfg.node_memory_budget == "40%" and cfg.node_budget_bytes == int(node_ram_bytes() * 0.4)
+    assert CheckpointConfig(namespace="n").node_budget_bytes is None
