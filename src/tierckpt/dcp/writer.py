@@ -91,6 +91,7 @@ class _ItemInfo:
     xxh3: str
     file_size: int
     durable_error: str | None = None
+    memory_error: str | None = None  # this rank's memory tier failed: the step goes to the durable tier only
 
 
 class TieredStorageWriter(StorageWriter):
@@ -140,6 +141,7 @@ class TieredStorageWriter(StorageWriter):
         metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: as Checkpointer, so DCP-plug-in users report too
         #: Checkpointer's hold on the commit: a reason not to commit (a non-finite loss), or None
         self._gate: Callable[[], str | None] | None = None
+        self._memory_failure: BaseException | None = None  # stage() fell back to process memory
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -215,7 +217,9 @@ class TieredStorageWriter(StorageWriter):
         try:
             snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
         except Exception as exc:
-            raise (err := guard.typed(exc, step=step)) from err.__cause__
+            from tierckpt import fallback  # fallback builds on this module
+
+            snap = fallback.stage_instead(self, guard.typed(exc, step=step), state_dict)
         snap.wait_copied()
         self._snapshot = snap
         return snap.state_dict
@@ -272,7 +276,14 @@ class TieredStorageWriter(StorageWriter):
         with rt.save_lock:
             rt.in_flight.add(pd.save_id)
             try:
-                results = self._write_locked(plan, planner, pd, rt, step, log)
+                try:
+                    if self._memory_failure is not None:
+                        raise self._memory_failure
+                    results = self._write_locked(plan, planner, pd, rt, step, log)
+                except Exception as exc:  # the memory tier failed: the durable tier, when this save writes it
+                    from tierckpt import fallback
+
+                    results = fallback.write_instead(self, exc, plan, planner, pd, log)
                 self._check_gate(abort=pd.save_id)  # every rank's last word before the coordinator commits
                 return results
             finally:
@@ -357,7 +368,10 @@ class TieredStorageWriter(StorageWriter):
         mf_raw = manifest.to_bytes()
         small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
         self._check_gate(abort=save_id)
-        rt.memory.commit(step, save_id, small)
+        from tierckpt import fallback
+
+        if fallback.commit_instead(self, infos.values(), save_id, small):
+            return  # the memory tier failed on some rank: committed to the durable tier only
         rt.committed_in_memory(step)
         self.committed = (md_raw, mf_raw)
         if self._plan_data is not None and self._plan_data.remote_nodes:

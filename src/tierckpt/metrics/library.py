@@ -41,6 +41,7 @@ __all__ = [
     "library_metrics",
     "loaded",
     "memory_committed",
+    "memory_fallback",
     "save_failed",
     "save_staged",
     "server",
@@ -71,6 +72,9 @@ class LibraryMetrics:
         self.saves = r.counter("tierckpt_saves_total", "Steps committed, by tier", nt)
         self.bytes = r.counter("tierckpt_save_bytes_total", "Bytes committed by this rank, by tier", nt)
         self.failures = r.counter("tierckpt_save_failures_total", "Saves that failed, by tier", nt)
+        self.fallbacks = r.counter("tierckpt_memory_fallback_total",
+                                   "Saves written straight to the durable tier because the memory tier failed, by cause "
+                                   "(no_space, unwritable, error)", ("namespace", "cause"))
         self.retries = r.counter("tierckpt_durable_retries_total",
                                  "Durable-tier requests tried again after a transient failure", ("operation",))
         self.last_step = r.gauge("tierckpt_last_committed_step", "Newest step committed, by tier", nt)
@@ -238,6 +242,14 @@ def durable_failed(ck: Any, step: int) -> None:
     if m is None:
         return
     m.failures.inc(namespace=ck.config.namespace, tier="durable")
+
+
+def memory_fallback(ck: Any, cause: str) -> None:
+    """The memory tier failed (``cause``): a save goes straight to the durable tier."""
+    m = _METRICS
+    if m is None:
+        return
+    m.fallbacks.inc(namespace=ck.config.namespace, cause=cause)
 
 
 def durable_retry(operation: str) -> None:
