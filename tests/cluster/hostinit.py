@@ -1,6 +1,6 @@
 """PID 1 of one harness host (run by ``hosts.Host``, never by hand).
 
-Started as ``ip netns exec <ns> unshare --uts --mount --pid --fork --propagation private
+Started as ``nsenter --net=/run/netns/<ns> unshare --uts --mount --pid --fork --propagation private
 --mount-proc python hostinit.py NAME HOSTS_FILE``, so it already has the host's network
 namespace, its own UTS, mount and PID namespaces and a ``/proc`` of its own. It then
 

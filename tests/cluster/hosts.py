@@ -18,7 +18,8 @@ The prefix and the /24 are drawn at random per ``Cluster``, so concurrent runs n
 name (each run's bridge is isolated anyway).
 
 A host's processes live under its init (``hostinit.py``, PID 1 of the host's PID namespace,
-started by ``ip netns exec ... unshare ...``); ``popen``/``run`` enter the host with ``nsenter``
+started by ``nsenter --net=/run/netns/<ns> unshare ...``: unlike ``ip netns exec``
+it keeps the machine's ``/sys`` and its cgroup mounts, which ``slurmd`` wants); ``popen``/``run`` enter the host with ``nsenter``
 on that init's namespaces. PIDs a host's processes report (``os.getpid()``) are the host's own:
 signal them with ``host.run(["kill", ...])``. Hosts resolve each other by name through the run's
 hosts file, bind-mounted on every host's ``/etc/hosts`` and appended to when a host is added.
@@ -173,7 +174,7 @@ class Host:
         self.init_log = c.workdir / f"init-{self.name}.log"
         log = open(self.init_log, "wb")  # noqa: SIM115 - the child owns it
         self.unshare = subprocess.Popen(
-            ["ip", "netns", "exec", self.netns, "unshare", "--uts", "--mount", "--pid", "--fork",
+            ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--uts", "--mount", "--pid", "--fork",
              "--propagation", "private", "--mount-proc", sys.executable, "-I", str(HOSTINIT), self.name,
              str(c.hosts_file), c.shm_size], stdout=subprocess.PIPE, stderr=log)
         log.close()
@@ -221,10 +222,14 @@ class Host:
 
     # ---- faults ----
     def kill(self) -> None:
-        """Hardware loss: SIGKILL to the host's init takes every process of its PID namespace; the
+        """Hardware loss: the link goes down (nothing more leaves the host), then SIGKILL to the
+        host's init takes every process of its PID namespace; the
         mount namespace (and its /dev/shm tmpfs) goes with the last of them; the network namespace
         (its address and link) is deleted. Idempotent."""
         if self.init_pid and _alive(self.init_pid):
+            # the link first: a machine that loses power sends no FIN or RST for its sockets
+            if self.netns in self.cluster.namespaces:
+                self.link(up=False)
             os.kill(self.init_pid, signal.SIGKILL)
         for proc in [*([self.unshare] if self.unshare else []), *self.procs]:
             try:
