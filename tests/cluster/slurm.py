@@ -12,7 +12,8 @@ for the run (one ``munged`` on host 0; its socket is a path on the shared disk, 
 host's mount namespace sees, as a cluster's hosts each see their own), ``proctrack/linuxproc``,
 ``task/none``, no cgroups, no accounting, ``select/linear`` (whole nodes), ``ReturnToService=2``
 (a host that comes back is usable again) and short timeouts so a lost host is noticed in
-seconds. Every path (state, spool, logs, pid files, the socket) is in one directory made for the
+seconds; ``cred_expire=10`` because a requeued job waits that long before it may start again
+(Slurm's default: 120 s). Every path (state, spool, logs, pid files, the socket) is in one directory made for the
 run; the daemons run in the foreground on their hosts, so killing a host kills its ``slurmd``.
 """
 
@@ -65,7 +66,7 @@ SlurmctldHost={self.head.name}({self.head.ip})
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.socket}
+AuthInfo=socket={self.socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={d}/ctld
 SlurmdSpoolDir={d}/spool-%n
@@ -151,6 +152,12 @@ PartitionName=main Nodes={names} Default=YES MaxTime=INFINITE State=UP
                         f"job {job_id} in {states}", lambda: f"{self.job(job_id)}\n{self._log('slurmctld.log')}")
 
     def close(self) -> None:
-        """The daemons die with their hosts (``Cluster.close``); this removes the run's directory."""
+        """The daemons die with their hosts (``Cluster.close``); this keeps their logs beside the
+        cluster's (``<workdir>/slurm-logs``) and removes the run's directory."""
+        keep = self.cluster.workdir / "slurm-logs"
+        keep.mkdir(exist_ok=True)
+        for log in [*self.dir.glob("*.log"), *self.dir.glob("*.out"), self.dir / "munge" / "munged.log"]:
+            if log.exists():
+                shutil.copy(log, keep / log.name)
         shutil.rmtree(self.dir, ignore_errors=True)
 
