@@ -41,8 +41,10 @@ def test_lost_host_resumes_from_the_peer_replica_on_a_replacement_host(cluster: 
     fault = job.wait_for(lambda: next((e for e in job.events(h0.name) if e["event"] == "fault"), None),
                          60, "the survivor notices the lost host")
     assert fault["reason"] in ("LostNode", "Hang", "Crash"), fault
+    t_fault = fault["time"]
     h2 = cluster.add_host()  # the replacement: new name, new address, empty /dev/shm
     assert h2.ip not in (h0.ip, h1.ip) and h2.run(["ls", "-A", "/dev/shm"]).stdout == ""
+    t_replacement = time.time()
     job.start_node(h2, 1)
     codes = job.wait_exit(240, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
@@ -62,7 +64,15 @@ def test_lost_host_resumes_from_the_peer_replica_on_a_replacement_host(cluster: 
         assert resumed[r]["digest"] == saved[step], "resumed state differs from the state saved at that step"
         assert job.last_step(r, generation=gen) == STEPS
     first_step = min(e["time"] for e in job.trace(1) if e["event"] == "step" and e["generation"] == gen)
-    print(f"\nlost host: {fault['reason']} {fault['time'] - t_kill:.2f}s after the kill; "
+    t = {e["event"]: e["time"] for e in job.trace(1) if e["generation"] == gen and e["event"] in
+         ("start", "imported", "pg", "resumed")}
+    print("\nlost host, seconds after the kill: " + ", ".join(
+        f"{k} {v - t_kill:.1f}" for k, v in [("fault", t_fault), ("replacement host up", t_replacement),
+                                             ("rank 1 interpreter", t.get("start", 0)),
+                                             ("torch imported", t.get("imported", 0)),
+                                             ("process group", t.get("pg", 0)), ("resumed", t.get("resumed", 0)),
+                                             ("first step", first_step)]))
+    print(f"lost host: {fault['reason']} {fault['time'] - t_kill:.2f}s after the kill; "
           f"rank 1 steps again on {h2.name} ({h2.ip}) {first_step - t_kill:.2f}s after the kill, "
           f"resumed step {step} (rank 1 was at {before}, host 0's replica at {replica_step}; "
           f"tiers {resumed[1]['tiers']})")
