@@ -150,3 +150,36 @@ def test_scancel_term_persists_the_newest_step(slurm: slurm_mod.Slurm, tmp_path:
     assert exits and all(e["code"] == 128 + signal.SIGTERM for e in exits), job.report()
     assert len([e for e in job.events() if e["event"] == "persisted"]) == 2, job.report()
     assert done["JobState"] in ("FAILED", "CANCELLED", "COMPLETED"), done
+
+
+def test_full_job_restart_exit_75_requeues_through_the_script(slurm: slurm_mod.Slurm, tmp_path: Path) -> None:
+    """Rank 1 exits at step 6 in every generation: restart in place, then a full job restart
+    (exit 75) → the script's ``scontrol requeue`` → the requeued job's launchers continue the
+    generation from the restart state, until ``maxFullJobRestarts`` (1) fails the job for good."""
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("""apiVersion: sagemaker.amazonaws.com/v1
+kind: HyperPodPyTorchJob
+metadata:
+  name: slurm-escalation
+spec:
+  nprocPerNode: "1"
+  runPolicy:
+    jobMaxRetryCount: 10
+    restartPolicy:
+      numRestartBeforeFullJobRestart: 1
+      evalPeriodSeconds: 3600
+      maxFullJobRestarts: 1
+""")
+    job = SlurmJob(slurm, tmp_path, ["--steps", "200", "--fault", "exit", "--fault-step", "6",
+                                     "--fault-generation", "-1"], TIERCKPT_JOB_FILE=str(job_file))
+    done = job.wait_done(240)
+    out = job.out.read_text(errors="replace")
+    assert f"requeueing job {job.id}" in out, job.report()
+    assert done["JobState"] == "FAILED" and done["Restarts"] == "1", job.report()
+    starts = [e for e in job.events() if e["event"] == "started"]
+    kinds = [e["kind"] for e in job.events() if e["event"] == "restart"]
+    assert "job" in kinds, job.report()
+    # the requeued launchers went on from the generation the full restart recorded, not from 0
+    assert max(e["generation"] for e in starts) >= 2, job.report()
+    exits = [e for e in job.events() if e["event"] == "exit"]
+    assert {e["code"] for e in exits} == {75, 1} and exits[-1]["code"] == 1, job.report()
