@@ -98,8 +98,12 @@ class Cluster:
         self.namespaces: list[str] = []
         _ip("netns", "add", self.bridge_ns)
         self.namespaces.append(self.bridge_ns)
-        _ip("link", "add", "br0", "type", "bridge", netns=self.bridge_ns)
-        _ip("link", "set", "br0", "up", netns=self.bridge_ns)
+        try:
+            _ip("link", "add", "br0", "type", "bridge", netns=self.bridge_ns)
+            _ip("link", "set", "br0", "up", netns=self.bridge_ns)
+        except RuntimeError:
+            self.close()  # the caller never gets this object to close
+            raise
 
     def add_host(self, name: str | None = None) -> Host:
         index = len(self.hosts)

@@ -9,8 +9,8 @@
 
 The workers' traces (``trace_rank<r>.jsonl``) and every launcher's events and log are on the
 machine's disk (``workdir``), shared by all hosts like a cluster's shared filesystem; the memory
-tier is each host's own ``/dev/shm/tierckpt``. Processes are the hosts': ``Cluster.close`` ends
-them (the fixture), ``close`` here only stops launchers still running.
+tier is each host's own ``/dev/shm/tierckpt``. Every process is a host's: ``Cluster.close`` (the
+fixture) ends them all, so a job needs no clean-up of its own.
 """
 
 from __future__ import annotations
