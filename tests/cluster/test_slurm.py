@@ -12,7 +12,7 @@ import json
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,8 @@ RANKS = (0, 1)
 class SlurmJob:
     """One sbatch submission and what its nodes wrote (traces, events, the durable tier)."""
 
-    def __init__(self, slurm: slurm_mod.Slurm, tmp: Path, train: list[str], **env: str) -> None:
+    def __init__(self, slurm: slurm_mod.Slurm, tmp: Path, train: list[str], sbatch: Sequence[str] = (),
+                 **env: str) -> None:
         self.slurm = slurm
         self.work = tmp / "work"
         self.logs = tmp / "logs"
@@ -43,7 +44,7 @@ class SlurmJob:
         path = f"{Path(sys.executable).parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
         self.env = host_env(PATH=path, TIERCKPT_NAMESPACE=NS, TIERCKPT_LOG_DIR=str(self.logs),
                             TIERCKPT_DURABLE_URL=f"file://{self.durable}", TIERCKPT_REPLICAS="1", **env)
-        self.id = slurm.sbatch(["--nodes=2", f"--output={tmp}/slurm-%j.out", str(SCRIPT), "-m",
+        self.id = slurm.sbatch(["--nodes=2", f"--output={tmp}/slurm-%j.out", *sbatch, str(SCRIPT), "-m",
                                 "tierckpt.demo.resilient", "--workdir", str(self.work), *train],
                                self.env, cwd=tmp)
         self.out = tmp / f"slurm-{self.id}.out"
