@@ -10,6 +10,7 @@ demo: $(STAMP)
 	$(BIN)/tierckpt demo
 
 test: $(STAMP)
+	@sh tests/cluster/install.sh  # root with apt: iproute2, slurm-wlm, munge when missing
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
