@@ -440,6 +440,10 @@ class TierckptAgent(LocalElasticAgent):
             pass
         from tierckpt.agent import start_agent
 
+        if self.opts.agent_across_hosts:  # peers on other hosts: every interface, the job's secret
+            from dataclasses import replace
+
+            cfg = replace(cfg, listen=("0.0.0.0", cfg.listen[1]), secret=self.ctl.job_secret())
         self._node_agent = start_agent(cfg)
         self.events.emit("agent", generation=self.generation, address=list(self._node_agent.address),
                          node_id=self._node_agent.node_id, replicas=cfg.replicas)
@@ -472,9 +476,12 @@ class TierckptAgent(LocalElasticAgent):
     def _loop(self) -> RunResult:
         wg = self._worker_group
         spec = wg.spec
-        self._host_agent()
+        if not self.opts.agent_across_hosts:
+            self._host_agent()
         self._start_pool()
         self._join()
+        if self.opts.agent_across_hosts and self._node_agent is None:
+            self._host_agent()  # its secret comes from the rendezvous store
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())

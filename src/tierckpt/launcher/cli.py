@@ -122,6 +122,27 @@ def _agent_config(args: Namespace) -> Any:
                        durable_url=args.durable_url)
 
 
+def _agent_across_hosts(args: Namespace, agent: Any) -> bool:
+    """The hosted agent's peers are other hosts, and nothing says how to reach or trust it: then it
+    listens on every interface with a secret generated per job (``agent.py``) instead of loopback."""
+    if args.agent_listen is not None or agent.secret or _max_nodes(args.nnodes) < 2:
+        return False
+    host = (args.rdzv_endpoint or "").rpartition(":")[0].strip("[]") if ":" in (args.rdzv_endpoint or "") \
+        else (args.rdzv_endpoint or "")
+    return not _loopback_name(host)
+
+
+def _loopback_name(host: str) -> bool:
+    if host in ("", "localhost", "::1") or host.startswith("127."):
+        return True
+    try:
+        import ipaddress
+
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _max_nodes(nnodes: str) -> int:
     """The most nodes torchrun's ``--nnodes`` (N or MIN:MAX) admits; 1 when it does not parse (torch reports it)."""
     try:
@@ -137,6 +158,7 @@ def _options(args: Namespace) -> Any:
     from tierckpt.launcher.options import RunOptions
 
     policy = RunPolicy()
+    agent = _agent_config(args)
     if args.job:
         job = load_job_file(args.job)
         policy = job.run_policy
@@ -165,7 +187,8 @@ def _options(args: Namespace) -> Any:
         heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s,
                                   hang=_hang_policy(args)),
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
-        node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=_agent_config(args),
+        node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=agent,
+        agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
         warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "",
     )
 

@@ -122,6 +122,13 @@ class JobControl:
     def set_progress(self, generation: int, node: int, step: int) -> None:
         self.store.set(f"{_P}progress/{generation}/{node}", str(step).encode())
 
+    def job_secret(self) -> bytes:
+        """The job's node-agent secret: the first agent to ask generates it (``compare_set``), every
+        later one reads the same; only for agents given no secret of their own (``--agent-secret-file``)."""
+        import secrets
+
+        return bytes(self.store.compare_set(f"{_P}agent-secret", "", secrets.token_hex(32)))
+
     def publish_agent(self, node: int, host: str, port: int) -> None:
         """This node's hosted node agent listens on ``host:port`` (peer discovery)."""
         self.store.set(f"{_P}agent/{node}", f"{host}:{port}".encode())

@@ -31,6 +31,10 @@ class RunOptions:
     node_timeout_s                         an agent silent this long is a lost node
     stop_grace_s                           SIGTERM grace before SIGKILL when a fault stops workers
     agent                                  a node agent to host (None: none, or one runs already)
+    agent_across_hosts                     the hosted agent listens on every interface with a per-job
+                                           secret handed out through the rendezvous store (the nodes
+                                           are other hosts and neither --agent-listen nor a secret
+                                           was given); it starts after the first rendezvous
     rdzv_endpoint                          HOST:PORT named in rendezvous progress lines ('' unknown)
     warm                                   standby interpreters for warm (re)starts (0: off)
     """
@@ -48,4 +52,5 @@ class RunOptions:
     liveness_interval_s: float = 0.5
     warm: WarmPolicy = field(default_factory=WarmPolicy)
     agent: Any = None  # tierckpt.agent.AgentConfig: host a node agent (replication, budget, flush)
+    agent_across_hosts: bool = False
     rdzv_endpoint: str = ""

@@ -1,0 +1,52 @@
+"""The hosted node agent across hosts: on by default for nodes on other hosts, reachable and authenticated.
+
+The decision is pure (argv → options); the secret hand-out runs against a real TCPStore.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from tierckpt.launcher.cli import _agent_across_hosts, _agent_config, build_parser
+from tierckpt.launcher.control import JobControl
+
+
+def _args(*extra: str) -> object:
+    return build_parser().parse_args([*extra, "train.py"])
+
+
+def _across(*argv: str) -> bool:
+    args = _args(*argv)
+    agent = _agent_config(args)  # type: ignore[arg-type]
+    return agent is not None and _agent_across_hosts(args, agent)  # type: ignore[arg-type]
+
+
+def test_nodes_on_other_hosts_get_an_agent_on_every_interface_with_a_job_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERCKPT_AGENT_SECRET", raising=False)
+    assert _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400")
+    assert _across("--nnodes", "2", "--rdzv-endpoint", "10.0.0.5:29400")
+    # one host, or told how to listen / given a secret: as configured
+    assert not _across("--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29400")
+    assert not _across("--nnodes", "2", "--rdzv-endpoint", "localhost:29400")
+    assert not _across("--nnodes", "1", "--rdzv-endpoint", "head-node:29400")
+    assert not _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400", "--replicas", "0")
+    monkeypatch.setenv("TIERCKPT_AGENT_SECRET", "the job's own")
+    assert not _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400")
+    assert not _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400", "--agent-listen", "0.0.0.0:7601",
+                       "--memory-dir", "/dev/shm/x")
+
+
+def test_every_agent_of_a_job_reads_the_same_generated_secret() -> None:
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    clients = [dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=10))
+               for _ in range(3)]
+    secrets = {JobControl(c).job_secret() for c in clients}
+    assert len(secrets) == 1
+    (secret,) = secrets
+    assert len(secret) == 64 and int(secret, 16) > 0  # 32 random bytes, hex
+    other = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    assert JobControl(other).job_secret() != secret  # per job (per rendezvous store)
