@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DurablePolicy", "RetentionPolicy"]
@@ -10,21 +10,26 @@ __all__ = ["DurablePolicy", "RetentionPolicy"]
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """Keep the newest ``keep`` committed steps of a tier (None keeps all)."""
+    """Keep the newest ``keep`` committed steps of a tier (None keeps all), and every protected one.
+
+    ``protected``: steps the node agent listed in the namespace's ``.keep`` (``tierckpt.protect``):
+    never selected; the newest ``keep`` of the others are kept as well.
+    """
 
     keep: int | None
 
-    def select_for_deletion(self, committed: Sequence[int]) -> list[int]:
-        """Steps to delete, oldest first. Never the newest committed step."""
+    def select_for_deletion(self, committed: Sequence[int], protected: Collection[int] = ()) -> list[int]:
+        """Steps to delete, oldest first. Never the newest committed step, never a protected one."""
         if self.keep is None:
             return []
-        ordered = sorted(set(committed))
+        ordered = sorted(set(committed) - set(protected))
         return ordered[: max(0, len(ordered) - max(self.keep, 1))]
 
     @staticmethod
-    def select_for_eviction(committed: Sequence[int]) -> list[int]:
-        """Under memory pressure: every step but the newest, oldest first."""
-        return sorted(set(committed))[:-1]
+    def select_for_eviction(committed: Sequence[int], protected: Collection[int] = ()) -> list[int]:
+        """Under memory pressure: every step but the newest and the protected ones, oldest first."""
+        ordered = sorted(set(committed))
+        return [s for s in ordered[:-1] if s not in protected]
 
 
 @dataclass(frozen=True)

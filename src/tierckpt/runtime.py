@@ -16,6 +16,7 @@ from tierckpt.config import CheckpointConfig
 from tierckpt.errors import StorageError
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
+from tierckpt.protect import read_protected
 from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
@@ -65,9 +66,9 @@ class RankRuntime:
         notify_committed(self.config.memory_dir, self.config.namespace, step)
 
     def evict_oldest(self) -> bool:
-        """Delete the oldest committed memory step that is not the newest; True if one went."""
+        """Delete the oldest committed memory step that is not the newest nor protected; True if one went."""
         steps = [s.step for s in self.memory.list_steps()]
-        victims = RetentionPolicy.select_for_eviction(steps)
+        victims = RetentionPolicy.select_for_eviction(steps, read_protected(self.memory.ns_dir))
         if not victims:
             return False
         self.log.warning(victims[0], "evicted from memory to make room (memory budget)")
@@ -75,9 +76,13 @@ class RankRuntime:
         return True
 
     def apply_retention(self, tier: Tier, policy: RetentionPolicy) -> list[int]:
-        """Delete what ``policy`` selects in ``tier``; failures are logged, not raised."""
+        """Delete what ``policy`` selects in ``tier``; failures are logged, not raised.
+
+        In the memory tier, steps the node agent protects (``tierckpt.protect``) are spared.
+        """
+        protected = read_protected(self.memory.ns_dir) if tier is self.memory else frozenset()
         try:
-            victims = policy.select_for_deletion([s.step for s in tier.list_steps()])
+            victims = policy.select_for_deletion([s.step for s in tier.list_steps()], protected)
             for step in victims:
                 tier.delete(step)
             return victims
