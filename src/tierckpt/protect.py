@@ -8,6 +8,7 @@ delete them, a lost node's replica would match no step the surviving ranks still
 Call order: the agent calls ``write_protected(dfd, steps)`` (``dfd``: the namespace directory) whenever what it holds changes;
 each save's ``RankRuntime.apply_retention`` / ``evict_oldest`` call ``read_protected(ns_dir)``
 and pass the steps to ``RetentionPolicy``. A missing or unreadable file protects nothing.
+Budget eviction takes a protected step only when nothing else can go (a save would fail).
 """
 
 from __future__ import annotations

@@ -66,12 +66,23 @@ class RankRuntime:
         notify_committed(self.config.memory_dir, self.config.namespace, step)
 
     def evict_oldest(self) -> bool:
-        """Delete the oldest committed memory step that is not the newest nor protected; True if one went."""
+        """Delete the oldest committed memory step that is not the newest; True if one went.
+
+        Steps the node agent protects (``tierckpt.protect``) go last: only when nothing else
+        can, since a save that finds no slot fails (the budget then holds fewer slots than
+        ``memory_steps_retained + 2``; the warning says so).
+        """
         steps = [s.step for s in self.memory.list_steps()]
-        victims = RetentionPolicy.select_for_eviction(steps, read_protected(self.memory.ns_dir))
+        protected = read_protected(self.memory.ns_dir)
+        victims = RetentionPolicy.select_for_eviction(steps, protected) or RetentionPolicy.select_for_eviction(steps)
         if not victims:
             return False
-        self.log.warning(victims[0], "evicted from memory to make room (memory budget)")
+        if victims[0] in protected:
+            self.log.warning(victims[0], "evicted from memory although a peer's replica is at this step (memory "
+                             "budget too small for memory_steps_retained + 2 slots): losing that peer now "
+                             "resumes from an older step")
+        else:
+            self.log.warning(victims[0], "evicted from memory to make room (memory budget)")
         self.memory.delete(victims[0])
         return True
 
