@@ -158,10 +158,11 @@ def _unusable(held: list[_Held], namespace: str) -> NoUsableStepError:
 
 
 _ADVICE = (
-    "local mode loads each rank's own files from its own memory root or the durable tier, so restart "
-    "every rank on the node that saved them (tierckpt run keeps a node's ranks across restarts where it "
-    "can), or give the job a durable tier (durable_url); peer replicas (--replicas 1) serve global mode "
-    "only; to start over on purpose, use a new namespace"
+    "local mode loads each rank's own files from its own memory root, a peer node's replica (the node "
+    "agent, tierckpt run --replicas 1, the default on 2+ nodes) or the durable tier, so restart every "
+    "rank on the node that saved them (tierckpt run keeps a node's ranks across restarts where it can), "
+    "run the node agents so that a lost node's newest replicated step stays on every node, or give the "
+    "job a durable tier (durable_url); to start over on purpose, use a new namespace"
 )
 
 

@@ -10,25 +10,30 @@ __all__ = ["DurablePolicy", "RetentionPolicy"]
 
 @dataclass(frozen=True)
 class RetentionPolicy:
-    """Keep the newest ``keep`` committed steps of a tier (None keeps all)."""
+    """Keep the newest ``keep`` committed steps of a tier (None keeps all), and every protected one.
+
+    ``protected``: steps the node agent listed in the namespace's ``.keep`` (``tierckpt.protect``):
+    never selected; the newest ``keep`` of the others are kept as well.
+    """
 
     keep: int | None
 
-    def select_for_deletion(self, committed: Sequence[int]) -> list[int]:
-        """Steps to delete, oldest first. Never the newest committed step."""
+    def select_for_deletion(self, committed: Sequence[int], protected: Collection[int] = ()) -> list[int]:
+        """Steps to delete, oldest first. Never the newest committed step, never a protected one."""
         if self.keep is None:
             return []
-        ordered = sorted(set(committed))
+        ordered = sorted(set(committed) - set(protected))
         return ordered[: max(0, len(ordered) - max(self.keep, 1))]
 
     @staticmethod
     def select_for_eviction(committed: Sequence[int], copied: Collection[int] = (),
-                            busy: Collection[int] = ()) -> list[int]:
+                            busy: Collection[int] = (), protected: Collection[int] = ()) -> list[int]:
         """Under memory pressure: every step but the newest and the ``busy`` ones (pinned by a
         load or a durable copy), those with a copy elsewhere (``copied``: durable or peer) first,
-        oldest first within each group."""
+        oldest first within each group; ``protected`` steps (a peer's replica is at them) last."""
         ordered = sorted(set(committed))[:-1]
-        return sorted((s for s in ordered if s not in busy), key=lambda s: (s not in copied, s))
+        return sorted((s for s in ordered if s not in busy),
+                      key=lambda s: (s in protected, s not in copied, s))
 
 
 @dataclass(frozen=True)

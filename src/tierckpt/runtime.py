@@ -19,6 +19,7 @@ from tierckpt.errors import StorageError
 from tierckpt.nodebudget import NodeBudget
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
+from tierckpt.protect import read_protected
 from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
@@ -75,19 +76,27 @@ class RankRuntime:
 
         Over the node budget the node agent evicts peer-cache copies and replicas first; then
         the oldest committed memory step goes that is not the newest and not in use (pinned),
-        one with a durable or peer copy before one that exists only here.
+        one with a durable or peer copy before one that exists only here. Steps the node agent
+        protects (``tierckpt.protect``: a peer's replica is at them) go last, only when nothing
+        else can (a save that finds no slot fails; the warning says so).
         """
         node = self.node_budget
         if node.limit() is not None and not node.fits(nbytes) and node.agent_make_room(nbytes):
             return True
         listed = [s.step for s in self.memory.list_steps()]
-        victims = RetentionPolicy.select_for_eviction(listed, busy=self._pinned_steps())
+        protected = read_protected(self.memory.ns_dir)
+        victims = RetentionPolicy.select_for_eviction(listed, busy=self._pinned_steps(), protected=protected)
         if len(victims) > 1:  # the order matters only with a choice: ask where copies are
             victims = RetentionPolicy.select_for_eviction(listed, copied=self._copied_elsewhere(victims),
-                                                          busy=self._pinned_steps())
+                                                          busy=self._pinned_steps(), protected=protected)
         if not victims:
             return False
-        self.log.warning(victims[0], "evicted from memory to make room (memory budget)")
+        if victims[0] in protected:
+            self.log.warning(victims[0], "evicted from memory although a peer's replica is at this step (memory "
+                             "budget too small for memory_steps_retained + 2 slots): losing that peer now "
+                             "resumes from an older step")
+        else:
+            self.log.warning(victims[0], "evicted from memory to make room (memory budget)")
         self.memory.delete(victims[0])
         return True
 
@@ -124,9 +133,13 @@ class RankRuntime:
         return out
 
     def apply_retention(self, tier: Tier, policy: RetentionPolicy) -> list[int]:
-        """Delete what ``policy`` selects in ``tier``; failures are logged, not raised."""
+        """Delete what ``policy`` selects in ``tier``; failures are logged, not raised.
+
+        In the memory tier, steps the node agent protects (``tierckpt.protect``) are spared.
+        """
+        protected = read_protected(self.memory.ns_dir) if tier is self.memory else frozenset()
         try:
-            victims = policy.select_for_deletion([s.step for s in tier.list_steps()])
+            victims = policy.select_for_deletion([s.step for s in tier.list_steps()], protected)
             for step in victims:
                 tier.delete(step)
             return victims

@@ -153,13 +153,13 @@ class PeerClient(Connection):
             return
         if reply.get("op") != "ready":
             raise PeerError(f"agent {self.node} did not accept step {step}: {reply.get('op')}")
-        for (_, src), (_, size) in zip(files, sizes, strict=True):
+        for (name, src), (_, size) in zip(files, sizes, strict=True):
             if isinstance(src, Path):
                 fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     if os.fstat(fd).st_size != size:
                         raise PeerError(f"{src} changed size while being sent")
-                    self.send_fd(fd, 0, size, digests=digests)
+                    self.send_fd(fd, 0, size, digests=digests, identity=(origin, namespace, str(step), save_id, name))
                 finally:
                     os.close(fd)
             else:

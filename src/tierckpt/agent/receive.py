@@ -8,12 +8,14 @@ Call order (in a peer connection's thread, after ``parse_request`` gave a ``Put`
    (the bytes are *reserved* against the node budget, or against the filesystem's free
    space when no budget is set; eviction is only counted on, not done). The same save
    already committed under this sender's token: ``held``, nothing to send.
-2. ``ready`` → every announced byte into this connection's own staging directory (0700,
+2. the step is protected in this node's own memory (``agent.protect``: a put in flight counts);
+   ``ready`` → every announced byte into this connection's own staging directory (0700,
    files 0600, no link followed), each data item checked while it arrives.
 3. a write that fails (ENOSPC, EFBIG) or a replica that fails its checks: every announced
    byte is still read, then an ``error`` frame says what failed; the staging directory goes.
 4. otherwise evict what the budget now needs, record the owner, one rename makes the step
-   visible, steps of this origin the sender no longer keeps (and owns) go; ``stored``.
+   visible, steps of this origin the sender no longer keeps (and owns) go; ``stored``; the
+   protected steps follow the replicas now held (``Agent.end_put``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
+from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.agent.store import Held, owner_hash
 from tierckpt.agent.transfer import StreamCheck, verify_file
 from tierckpt.agent.wire import Connection, WriteFailed
@@ -67,6 +70,7 @@ def receive_replica(agent: Agent, req: p.Put, conn: Connection, peer: str) -> No
         elif refusal:
             reply = {"op": "error", "message": refusal}
         else:
+            refresh_protected(agent)  # this step stays in this node's own memory before its bytes come
             reply = _stage_and_commit(agent, req, conn)
     finally:
         agent.release(reserved)

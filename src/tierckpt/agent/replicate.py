@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import PeerClient, PeerError
+from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.errors import TierckptError
 from tierckpt.observability import get_logger, throughput
 from tierckpt.tiers.local import LocalTier
@@ -110,6 +111,7 @@ class Replicator:
                     done = agent.replicated.get(ns)
                     have = done[2] if done and done[:2] == (step, save_id) else frozenset()
                     agent.replicated[ns] = (step, save_id, have | {node})
+                refresh_protected(agent)  # this step now stays in this node's memory (agent.protect)
         finally:
             for _, pin in pins:
                 if pin is not None:

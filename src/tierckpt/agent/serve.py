@@ -125,7 +125,8 @@ def _send_checked(agent: Agent, req: p.Get, kind: str, conn: Connection, fd: int
     conn.set_deadline(agent.config.limits.bulk_s(length))
     conn.send({"op": "file", "size": length})
     try:
-        conn.send_fd(fd, req.offset, length, check, agent.digests)
+        conn.send_fd(fd, req.offset, length, check, agent.digests,
+                     identity=(req.origin, req.namespace, str(req.step), mf.save_id, req.name))
     except IntegrityError as exc:
         _quarantine(agent, req, kind, str(exc))
         raise p.ProtocolViolation(f"stopped serving {where}: {exc}") from None  # the last tag never went out

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from tierckpt.agent import protocol as p
 from tierckpt.agent.wire import Connection
 from tierckpt.observability import get_logger
+from tierckpt.unixsock import short_path
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent
@@ -218,7 +219,8 @@ class _LocalUnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServe
         private = tempfile.mkdtemp(prefix=".agent-sock-", dir=os.path.dirname(final))
         try:
             path = os.path.join(private, "s")
-            self.socket.bind(path)
+            with short_path(path) as where:  # a deep memory root: beyond sun_path's 108 bytes
+                self.socket.bind(where)
             os.chmod(path, 0o600)
             os.rename(path, final)
         finally:
@@ -234,7 +236,8 @@ class LocalServer:
         if path.exists():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                probe.connect(str(path))
+                with short_path(path) as where:
+                    probe.connect(where)
                 raise RuntimeError(f"an agent already serves {path.parent}; stop it first")
             except (ConnectionRefusedError, FileNotFoundError):
                 path.unlink(missing_ok=True)  # left by an agent that died

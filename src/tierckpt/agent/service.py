@@ -26,6 +26,7 @@ from tierckpt.agent import safefs
 from tierckpt.agent.client import Connection, PeerClient, ask_all
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
+from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.agent.receive import receive_replica
 from tierckpt.agent.replicate import Replicator
 from tierckpt.agent.serve import serve_get, serve_list
@@ -84,6 +85,8 @@ class Agent:
         self.last_fetch: dict[str, Any] = {}
         self._reserved = 0
         self._puts: set[tuple[str, str, int]] = set()
+        self.protect_lock = threading.Lock()
+        self.protected: dict[str, set[int]] = {}  # own namespace → the steps its .keep lists (agent.protect)
         self._refresher: threading.Thread | None = None
         Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
         self.owner_token = _owner_token(config.memory_dir)
@@ -123,6 +126,7 @@ class Agent:
             self._refresh_peers_in_background()
         if self.config.replicas > 0:
             self.replicator.round(REPLICATION_WAIT_S)
+        refresh_protected(self)
         self.enforce_budget(0)
         self._update_gauges()
         if self.config.durable_url is not None:
@@ -211,6 +215,7 @@ class Agent:
     def end_put(self, key: tuple[str, str, int]) -> None:
         with self._lock:
             self._puts.discard(key)
+        refresh_protected(self)
 
     # -- local requests -------------------------------------------------------------------
     def handle_local(self, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -296,6 +301,7 @@ class Agent:
             "namespaces": {ns: {"steps": sorted(s), "replicated": self._replicated_view(ns),
                                 "drain": self.drain_lag.get(ns, {})} for ns, s in own.items()},
             "replicas_held": replicas,
+            "protected": {ns: sorted(s) for ns, s in self.protected.items() if s},
             "budget_bytes": self.config.budget_bytes, "used_bytes": self.store.usage_bytes(),
             "held_bytes": {k: sum(h.nbytes for h in held if h.kind == k) for k in ("own", "replica", "cache")},
             "replication_lag_s": self.metrics.replication_lag_seconds.value(),

@@ -143,21 +143,27 @@ class Connection:
             self.sock.sendall(tag)
 
     def send_fd(self, fd: int, offset: int, length: int, check: StreamCheck | None = None,
-                digests: DigestCache | None = None) -> None:
+                digests: DigestCache | None = None, identity: tuple[str, ...] | None = None) -> None:
         """``length`` bytes of an open file from ``offset``, each segment sent with ``sendfile`` and
         followed by its tag (an HMAC over the segment's SHA-256).
 
         The segment is hashed (and its items checked by ``check``) from a read-only mapping
         first, unless ``digests`` knows its SHA-256 already (the same unchanged file sent
-        before: to another replica holder, or again) and nothing is to be checked. A failed
+        before: to another replica holder, or again) and nothing is to be checked. ``identity``
+        names the file's contents (a committed step's save id and file name): without one
+        ``digests`` is not used, because a memory-tier file's stat does not name its bytes (a
+        shared-memory slot is reused by later saves, same inode, size and mtime, the bytes
+        written through a mapping). A failed
         item check stops before the segment's tag goes out (the receiver can accept nothing
         of it) and raises IntegrityError (the caller quarantines the copy).
         """
         if length == 0:
             return
-        st = os.fstat(fd)
+        if identity is None:
+            digests = None
+        size = os.fstat(fd).st_size
         segments = [(pos, min(p.SEGMENT, offset + length - pos)) for pos in range(offset, offset + length, p.SEGMENT)]
-        keys = [(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, pos, n) for pos, n in segments]
+        keys = [(*(identity or ()), str(size), str(pos), str(n)) for pos, n in segments]
         known = [None if digests is None else digests.get(k) for k in keys]
         if check is None and all(d is not None for d in known):
             for (pos, n), digest in zip(segments, known, strict=True):
@@ -246,20 +252,22 @@ class Connection:
 
 
 class DigestCache:
-    """SHA-256 digests of file segments, by (device, inode, size, mtime, offset, length): a file sent
-    again unchanged (to the next replica holder, to each restore) is not hashed again. Bounded;
-    the oldest entries go first. One per agent; safe across its threads."""
+    """SHA-256 digests of file segments, by (file identity, size, offset, length): a file sent
+    again unchanged (to the next replica holder, to each restore) is not hashed again. The
+    identity is the save's id and the file's name (a committed save's bytes never change), not
+    its stat: memory-tier slots are reused by later saves with the same inode, size and mtime.
+    Bounded; the oldest entries go first. One per agent; safe across its threads."""
 
     def __init__(self, limit: int = 1 << 16) -> None:
         self._limit = limit
-        self._d: OrderedDict[tuple[int, ...], bytes] = OrderedDict()
+        self._d: OrderedDict[tuple[str, ...], bytes] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: tuple[int, ...]) -> bytes | None:
+    def get(self, key: tuple[str, ...]) -> bytes | None:
         with self._lock:
             return self._d.get(key)
 
-    def put(self, key: tuple[int, ...], digest: bytes) -> None:
+    def put(self, key: tuple[str, ...], digest: bytes) -> None:
         with self._lock:
             self._d[key] = digest
             while len(self._d) > self._limit:

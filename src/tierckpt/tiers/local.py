@@ -71,9 +71,10 @@ class LocalTier:
                 continue
             files = {}
             try:
-                for f in os.scandir(d):
-                    if f.is_file():
-                        files[f.name] = f.stat().st_size
+                with os.scandir(d) as entries:  # closed also when a file goes while listing
+                    for f in entries:
+                        if f.is_file():
+                            files[f.name] = f.stat().st_size
             except FileNotFoundError:
                 continue  # deleted while listing
             out.append(StepListing(step=step, committed=committed, files=files))

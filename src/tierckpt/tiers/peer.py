@@ -29,6 +29,7 @@ from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
 from tierckpt.tiers.base import Source, StepListing
 from tierckpt.tiers.local import LocalTier
+from tierckpt.unixsock import short_path
 
 __all__ = ["PeerStep", "PeerTier", "agent_socket", "local_request", "notify_committed", "open_peer"]
 
@@ -48,7 +49,8 @@ def notify_committed(memory_dir: str | os.PathLike[str], namespace: str, step: i
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.setblocking(False)  # a busy or wedged agent must never hold up a commit
-        s.connect(str(path))
+        with short_path(path) as where:
+            s.connect(where)
         return s.send(msg) == len(msg)
     except OSError:
         return False
@@ -63,7 +65,8 @@ def local_request(memory_dir: str | os.PathLike[str], message: Mapping[str, Any]
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
-        s.connect(str(path))
+        with short_path(path) as where:
+            s.connect(where)
         s.sendall(json.dumps(dict(message)).encode() + b"\n")
         buf = bytearray()
         while not buf.endswith(b"\n"):

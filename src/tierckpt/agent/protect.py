@@ -1,0 +1,99 @@
+"""Which own steps this node must keep in memory for the replicas, written where trainers read it.
+
+A lost node's shards come back from its replica; the other ranks then need their own copy of
+that same step. So this node protects, in every own namespace of the same base (local mode's
+``<ns>--rank<k>`` maps to every local rank's ``<ns>--rank<j>``; global mode's namespace to
+itself):
+
+* per (origin, namespace) of the replicas it holds: the newest replica step that is still
+  usable here (its own step is held, or not yet written), and every step a put in flight brings;
+* per own namespace: the newest step it replicated to its ring targets (so the older replica
+  stays offered until a newer one is stored: the sender's keep list still names it).
+
+Cost: one step per origin and namespace beyond ``memory_steps_retained`` (two while a newer
+replica is in flight); the steps are mostly the same ones, since ranks save in step.
+
+Call order: ``refresh(agent)`` from the agent's round, at a put's admission and after it,
+and after a replication; it computes ``wanted(agent)`` and rewrites each own namespace's
+``.keep`` whose list changed (``tierckpt.protect``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from tierckpt.agent import safefs
+from tierckpt.errors import TierckptError
+from tierckpt.observability import get_logger
+from tierckpt.protect import write_protected
+
+if TYPE_CHECKING:
+    from tierckpt.agent.service import Agent
+
+__all__ = ["base_namespace", "refresh", "wanted"]
+
+_log = get_logger("agent")
+_RANK_SUFFIX = re.compile(r"--rank[0-9]+$")
+
+
+def base_namespace(ns: str) -> str:
+    """The job's namespace: local mode's per-rank suffix removed."""
+    return _RANK_SUFFIX.sub("", ns)
+
+
+def wanted(agent: Agent) -> dict[str, set[int]]:
+    """Own namespace → the steps to protect in it (every own namespace present, possibly empty)."""
+    store = agent.store
+    own = store.namespaces()
+    own_steps = {ns: _steps(agent, ns) for ns in own}
+    out: dict[str, set[int]] = {ns: set() for ns in own}
+
+    def protect(replica_ns: str, steps: set[int]) -> None:
+        base = base_namespace(replica_ns)
+        for ns in own:
+            if base_namespace(ns) == base:
+                out[ns] |= steps
+
+    with agent._lock:
+        in_flight = set(agent._puts)
+        replicated = {ns: done[0] for ns, done in agent.replicated.items() if done[2]}
+    for origin, ns, step in in_flight:
+        if origin != agent.node_id:
+            protect(ns, {step})
+    for origin in store.origins():
+        for ns in store.replica_namespaces(origin):
+            try:
+                held = sorted((s.step for s in store.replica(origin, ns).list_steps()), reverse=True)
+            except TierckptError:
+                continue
+            mine = [own_steps[o] for o in own if base_namespace(o) == base_namespace(ns)]
+            usable = [s for s in held if all(s in m or not m or s > max(m) for m in mine)]
+            if usable:
+                protect(ns, {usable[0]})
+    for ns, step in replicated.items():
+        if ns in out:
+            out[ns].add(step)
+    return out
+
+
+def refresh(agent: Agent) -> None:
+    """Rewrite each own namespace's ``.keep`` whose steps changed; failures are logged (retried next round)."""
+    with agent.protect_lock:
+        for ns, steps in wanted(agent).items():
+            if agent.protected.get(ns) == steps:
+                continue
+            try:
+                with safefs.open_dir(agent.store.root, agent.store.parts("own", agent.node_id, ns)) as dfd:
+                    write_protected(dfd, steps)
+            except OSError as exc:
+                _log.warning("[Agent %s] cannot write the protected steps of %s: %s", agent.node_id, ns, exc)
+                continue
+            agent.protected[ns] = steps
+
+
+def _steps(agent: Agent, ns: str) -> set[int]:
+    try:
+        return {s.step for s in agent.store.own(ns).list_steps()}
+    except TierckptError:
+        return set()
