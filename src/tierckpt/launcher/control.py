@@ -9,6 +9,7 @@ agents already share), so there is no second server. Call order, on every agent:
     ...on a local fault:    rec = ctl.claim(g, record)                 # first claim wins; returns the winner
     ...after stopping:      ctl.stopped(g); ctl.wait_stopped(g, nnodes, timeout)
     ...master of g + 1:     ctl.publish_master(g + 1, addr, port) / ctl.master(g + 1, timeout)
+    ...after a lost node:   ctl.regroup(g, node, survivors, timeout)  # survivors only, instead of a round
 
 The generation is job-wide and monotonic: a claim for generation g moves the stored
 generation to g + 1, and every agent starts g + 1 after the stop barrier, so two agents can
@@ -103,6 +104,22 @@ class JobControl:
     def wait_stopped(self, generation: int, nnodes: int, timeout: float) -> bool:
         """True when every agent stopped its workers of ``generation`` within ``timeout``."""
         return _reached(self.store, f"{_P}stopped/{generation}", nnodes, timeout)
+
+    def regroup(self, generation: int, node: int, survivors: list[int], timeout: float) -> tuple[int, int] | None:
+        """After a lost node, the survivors agree on the next membership without a rendezvous round.
+
+        ``survivors`` is the same list on every survivor (the group ranks not in the claim's lost
+        set); the new group rank is this node's place in it. One ``add`` each and a wait on one
+        key; None when not every survivor arrived within ``timeout`` (another node is gone too:
+        fall back to the rendezvous). Not yet used by the agent, which re-rendezvous through
+        torch's handler; ``bench scale`` measures it against that handler.
+        """
+        order = sorted(survivors)
+        key = f"{_P}regroup/{generation}"
+        self.store.add(key, 1)
+        if not _reached(self.store, key, len(order), timeout):
+            return None
+        return order.index(node), len(order)
 
     def publish_master(self, generation: int, addr: str, port: int) -> None:
         self.store.set(f"{_P}master/{generation}", f"{addr}:{port}".encode())

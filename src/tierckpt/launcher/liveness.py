@@ -95,7 +95,7 @@ class Verdict:
         self.watcher, self.published_lost = int(doc["watcher"]), [int(n) for n in doc["lost"]]
 
     def stale(self, now: float) -> bool:
-        return now - self.since > self.timeout_s
+        return self.started and now - self.since > self.timeout_s
 
     def designated(self, now: float) -> int | None:
         """The watcher: the verdict's own while fresh, else the lowest rank not known lost."""

@@ -43,6 +43,8 @@ def test_silence_reports_counters_that_stop_moving() -> None:
 
 def test_a_stale_verdict_names_its_watcher_lost_and_the_next_rank_takes_over() -> None:
     v = Verdict([0, 1, 2, 3], timeout_s=1.0, since=0.0)
+    assert v.known_lost(9.0) == []  # never read yet: nobody is suspected
+    v.started = True
     assert v.designated(0.5) == 0 and v.known_lost(0.5) == []
     assert v.known_lost(1.5) == [0] and v.designated(1.5) == 1  # rank 0 never published
     v.read(json.dumps({"seq": 1, "watcher": 0, "lost": [3]}).encode(), 2.0)
