@@ -49,13 +49,14 @@ class _Host:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.close()  # the server reads stdin to its end, then exits
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.proc.stdout.close()
 
 
 class _Sims:
