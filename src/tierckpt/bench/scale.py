@@ -237,12 +237,19 @@ def goals(rows: dict[int, dict[str, Any]], cap: float) -> list[str]:
     flat = max(per.values()) <= 1.5 * min(per.values()) if per else None
     line(flat, "liveness traffic O(N): ops/interval/N flat across N (" +
          ", ".join(f"{n}: {v:.2f}" for n, v in per.items()) + ")")
-    faster = []
-    for r in rows.values():
+    faster, said = [], []
+    for n, r in rows.items():
         ours, theirs = r["ours"].get("rerdzv_s"), r["torch"].get("rerdzv_s")
+        if theirs is not None:
+            said.append(f"{n}: {_fmt(ours)} vs {_fmt(theirs)}")
+        elif r["torch"].get("first_rdzv_s") is None and r["torch"]:
+            said.append(f"{n}: {_fmt(ours)} vs torch's first rendezvous > {cap:g} s")
+        else:
+            said.append(f"{n}: {_fmt(ours)} vs > {cap:g} s" if r["torch"] else f"{n}: torch not run")
         bound = theirs if theirs is not None else cap  # torch did not finish: it took more than the cap
-        faster.append(ours is not None and ours < bound)
-    line(all(faster) if faster else None, "re-rendezvous after a lost node: ours faster than torch's at every N")
+        faster.append(ours is not None and ours < bound and bool(r["torch"]))
+    line(all(faster) if faster else None,
+         "re-rendezvous after a lost node: ours faster than torch's at every N (" + "; ".join(said) + ")")
     return out
 
 

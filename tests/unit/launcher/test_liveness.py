@@ -136,3 +136,32 @@ def test_a_new_epoch_does_not_read_the_old_verdict() -> None:
         assert all(a.lost() == [] for a in agents.agents) and agents.agents[0].watching
     finally:
         agents.close()
+
+
+def test_stop_barrier_and_regroup_cost_a_few_operations_per_agent_whatever_the_wait() -> None:
+    import threading
+
+    from tierckpt.launcher.control import JobControl
+
+    store = _server()
+    n = 16
+    counters = [Counter() for _ in range(n)]
+    ctls = [JobControl(CountingStore(connect_client("127.0.0.1", store.port), c)) for c in counters]
+    out: dict[int, tuple[bool, tuple[int, int] | None]] = {}
+
+    def agent(i: int) -> None:
+        time.sleep(0.01 * i)  # arrivals spread over 0.15 s: a poller would pay for every wait
+        ctls[i].stopped(3)
+        ok = ctls[i].wait_stopped(3, n, timeout=10)
+        survivors = [x for x in range(n) if x != 5]
+        out[i] = (ok, ctls[i].regroup(3, i, survivors, timeout=10) if i != 5 else None)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(out[i][0] for i in range(n))
+    assert [out[i][1] for i in range(n) if i != 5] == [(r, n - 1) for r in range(n - 1)]
+    assert max(c.value for c in counters) <= 8, [c.value for c in counters]  # add, add, wait, set; twice
+    assert ctls[0].regroup(4, 0, [0, 1], timeout=0.2) is None  # node 1 never comes
