@@ -68,9 +68,10 @@ class _Sims:
         ctx = mp.get_context("spawn")
         self.shares = [list(range(n))[k::procs] for k in range(min(procs, n))]
         self.pipes, self.procs = [], []
+        lock = ctx.Lock()
         for _ in self.shares:
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=serve, args=(child, port), daemon=True)
+            p = ctx.Process(target=serve, args=(child, port, lock), daemon=True)
             p.start()
             self.pipes.append(parent)
             self.procs.append(p)

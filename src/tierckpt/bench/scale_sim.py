@@ -30,22 +30,24 @@ __all__ = ["serve"]
 _MONITOR_TICK_S = 0.1  # tierckpt run's --monitor-interval
 
 
-def _client(port: int, timeout_s: float) -> Any:
+def _client(port: int, timeout_s: float, lock: Any) -> Any:
+    """A new client; one process at a time connects: clients connecting at once stall for
+    seconds on this box (4 processes in parallel: ~5 connections a second)."""
     import torch.distributed as dist
 
-    return dist.TCPStore("127.0.0.1", port, is_master=False,  # type: ignore[attr-defined]
-                         timeout=datetime.timedelta(seconds=timeout_s))
+    with lock:  # shared by every simulation process
+        return dist.TCPStore("127.0.0.1", port, is_master=False,  # type: ignore[attr-defined]
+                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
 class _Ours:
     """This process's share of our agents: counted clients, one Liveness thread each."""
 
-    def __init__(self, port: int, nodes: list[int], n: int, s: dict[str, Any]) -> None:
+    def __init__(self, port: int, nodes: list[int], n: int, s: dict[str, Any], lock: Any) -> None:
         self.n, self.s = n, s
         self.ctl_ops, self.live_ops = Counter(), Counter()
-        # connected one after the other: many clients connecting at once stall for seconds here
-        self.ctl = {i: JobControl(CountingStore(_client(port, s["store_timeout_s"]), self.ctl_ops)) for i in nodes}
-        live_clients = {i: CountingStore(_client(port, s["store_timeout_s"]), self.live_ops) for i in nodes}
+        self.ctl = {i: JobControl(CountingStore(_client(port, s["store_timeout_s"], lock), self.ctl_ops)) for i in nodes}
+        live_clients = {i: CountingStore(_client(port, s["store_timeout_s"], lock), self.live_ops) for i in nodes}
         self.live = {i: Liveness(lambda c=live_clients[i]: c, i, interval_s=s["interval_s"],  # type: ignore[misc]
                                  timeout_s=s["node_timeout_s"]) for i in nodes}
         for i, live in self.live.items():
@@ -115,7 +117,7 @@ class _Ours:
 class _Torch:
     """This process's share of torch's agents: one DynamicRendezvousHandler (c10d) each."""
 
-    def __init__(self, port: int, nodes: list[int], n: int, s: dict[str, Any]) -> None:
+    def __init__(self, port: int, nodes: list[int], n: int, s: dict[str, Any], lock: Any) -> None:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
@@ -123,7 +125,7 @@ class _Torch:
         self.ops = Counter()
         self.handlers: dict[int, Any] = {}
         for i in nodes:
-            store = CountingStore(_client(port, s["store_timeout_s"]), self.ops)
+            store = CountingStore(_client(port, s["store_timeout_s"], lock), self.ops)
             params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="scale",
                                           min_nodes=max(1, n - 1), max_nodes=n, local_addr="127.0.0.1",
                                           **s["torch_conf"])
@@ -156,7 +158,7 @@ def _answer(conn: Connection, lock: threading.Lock, fn: Any, *args: Any) -> None
         conn.send(result)
 
 
-def serve(conn: Connection, port: int) -> None:
+def serve(conn: Connection, port: int, connect_lock: Any) -> None:
     """A simulation process's loop (multiprocessing target); see the module docstring."""
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as tierckpt run sets it
     ours: _Ours | None = None
@@ -166,7 +168,7 @@ def serve(conn: Connection, port: int) -> None:
         msg = conn.recv()
         op = msg[0]
         if op == "ours":
-            ours = _Ours(port, *msg[1:])
+            ours = _Ours(port, msg[1], msg[2], msg[3], connect_lock)
             conn.send("ready")
         elif op == "start":
             assert ours is not None
@@ -179,7 +181,7 @@ def serve(conn: Connection, port: int) -> None:
             assert ours is not None
             threading.Thread(target=_answer, args=(conn, lock, ours.generation, msg[1], msg[2]), daemon=True).start()
         elif op == "torch":
-            torch_ = _Torch(port, *msg[1:])
+            torch_ = _Torch(port, msg[1], msg[2], msg[3], connect_lock)
             conn.send("ready")
         elif op == "first":
             assert torch_ is not None
