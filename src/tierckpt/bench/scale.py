@@ -68,7 +68,7 @@ class _Sims:
         ctx = mp.get_context("spawn")
         self.shares = [list(range(n))[k::procs] for k in range(min(procs, n))]
         self.pipes, self.procs = [], []
-        lock = ctx.Lock()
+        self.lock = lock = ctx.Lock()  # kept: the children unpickle it after this returns
         for _ in self.shares:
             parent, child = ctx.Pipe()
             p = ctx.Process(target=serve, args=(child, port, lock), daemon=True)
@@ -121,9 +121,13 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
         for pipe in sims.pipes:  # every agent's monitor loop reads generation 0's claim key each tick
             pipe.send(("generation", 0, None))
         time.sleep(max(2 * a.interval, 1.0))  # every beat key exists; the watcher reads them with multi_get
-        c0, cpu0, t0 = _counts(sims), host.cpu(), time.monotonic()
-        time.sleep(a.window)
-        c1, cpu1, t1 = _counts(sims), host.cpu(), time.monotonic()
+        try:
+            c0, cpu0, t0 = _counts(sims), host.cpu(), time.monotonic()
+            time.sleep(a.window)
+            c1, cpu1, t1 = _counts(sims), host.cpu(), time.monotonic()
+        except TimeoutError as exc:
+            out["error"] = f"{exc}; the claim of generation 0: {ctl.claimed(0)}"
+            return out
         live = sum(x["live"] for x in c1) - sum(x["live"] for x in c0)
         ticks = sum(x["ticks"] for x in c1) - sum(x["ticks"] for x in c0)
         ops = live + sum(x["ctl"] for x in c1) - sum(x["ctl"] for x in c0)
@@ -154,8 +158,10 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
 def _counts(sims: _Sims) -> list[dict[str, Any]]:
     """Every process's counters, read while its agents run (a generation answers later)."""
     got = sims.all(("count",), 60)
-    if got is None or not all(isinstance(x, dict) for x in got):  # a generation ended before its claim
+    if got is None:
         raise TimeoutError("a simulation process did not report its counters within 60 s")
+    if not all(isinstance(x, dict) for x in got):
+        raise TimeoutError("generation 0 ended before the bench's claim (an agent claimed a fault)")
     return got
 
 
@@ -301,7 +307,8 @@ def main(argv: list[str]) -> int:
     rows: dict[int, dict[str, Any]] = {}
     for n in ns:
         ours = _ours(n, a)
-        print(f"  {n}: ours {({k: round(v, 3) for k, v in ours.items()})}", flush=True)
+        print(f"  {n}: ours {({k: round(v, 3) if isinstance(v, float) else v for k, v in ours.items()})}",
+              flush=True)
         theirs = {} if a.no_torch else _torch(n, a)
         print(f"  {n}: torch {theirs}", flush=True)
         rows[n] = {"ours": ours, "torch": theirs}
