@@ -169,7 +169,7 @@ class TierckptAgent(LocalElasticAgent):
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
                                       interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
             self._liveness.start()
-        self._liveness.reset(self.node, list(range(self.nnodes)))
+        self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
 

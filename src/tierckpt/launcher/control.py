@@ -9,33 +9,33 @@ agents already share), so there is no second server. Call order, on every agent:
     ...on a local fault:    rec = ctl.claim(g, record)                 # first claim wins; returns the winner
     ...after stopping:      ctl.stopped(g); ctl.wait_stopped(g, nnodes, timeout)
     ...master of g + 1:     ctl.publish_master(g + 1, addr, port) / ctl.master(g + 1, timeout)
+    ...after a lost node:   ctl.regroup(g, node, survivors, timeout)  # survivors only, instead of a round
 
 The generation is job-wide and monotonic: a claim for generation g moves the stored
 generation to g + 1, and every agent starts g + 1 after the stop barrier, so two agents can
 never run workers of different generations (pytorch#135712). Workers of each generation meet
 on a fresh TCPStore port published here, so no key of an older generation is ever read.
-``Liveness`` runs in a thread with its own store client and reports agents whose counter
-stopped moving.
+``Liveness`` (liveness.py) runs in a thread with its own store client and reports agents whose
+beat stopped moving.
+
+Store cost: nothing here polls a counter or reads another agent's key. A claim is one key that
+each agent reads once per monitor tick (one operation; or ``wait_claim`` blocks on it without
+traffic); the barriers (``join``, ``wait_stopped``) are one ``add`` per agent, and the agent
+that completes the count sets one key that the others wait on; ``master`` is a wait on one key.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
+
+from tierckpt.launcher.liveness import Liveness
 
 __all__ = ["JobControl", "Liveness"]
 
 _P = "tierckpt/run/"
-
-
-def _store_error_types() -> tuple[type[BaseException], ...]:
-    import torch.distributed as dist
-
-    return (RuntimeError, dist.DistError) if hasattr(dist, "DistError") else (RuntimeError,)
+_ABSENT = b"\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without blocking or writing
 
 
 class JobControl:
@@ -65,18 +65,22 @@ class JobControl:
         self._raise_to("generation", local_next)
         self._raise_to("full_restarts", local_full)
         round_store.add("tierckpt/joined", 1)
-        deadline = time.monotonic() + timeout
-        while int(round_store.add("tierckpt/joined", 0)) < nnodes:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not every agent joined within {timeout:.0f}s")
-            time.sleep(0.01)
+        if not _reached(round_store, "tierckpt/joined", nnodes, timeout):
+            raise TimeoutError(f"not every agent joined within {timeout:.0f}s")
         return self.get_int("generation"), self.get_int("full_restarts")
 
     def claimed(self, generation: int) -> dict[str, Any] | None:
-        key = f"{_P}fault/{generation}"
-        if not self.store.check([key]):
+        """The claim of ``generation``, if any: one store operation that never blocks."""
+        raw = self.store.compare_set(f"{_P}fault/{generation}", _ABSENT, _ABSENT)
+        return None if raw == _ABSENT else dict(json.loads(raw))
+
+    def wait_claim(self, generation: int, timeout: float) -> dict[str, Any] | None:
+        """Block until ``generation`` is claimed (the store wakes the waiter; no polling), or None."""
+        try:
+            self.store.wait([f"{_P}fault/{generation}"], datetime.timedelta(seconds=max(timeout, 0.001)))
+        except _timeout_error():
             return None
-        return dict(json.loads(self.store.get(key)))
+        return self.claimed(generation)
 
     def claim(self, generation: int, record: dict[str, Any]) -> dict[str, Any]:
         """Report a fault of ``generation``; the first claim wins and is returned to everyone."""
@@ -99,23 +103,33 @@ class JobControl:
 
     def wait_stopped(self, generation: int, nnodes: int, timeout: float) -> bool:
         """True when every agent stopped its workers of ``generation`` within ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while int(self.store.add(f"{_P}stopped/{generation}", 0)) < nnodes:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
+        return _reached(self.store, f"{_P}stopped/{generation}", nnodes, timeout)
+
+    def regroup(self, generation: int, node: int, survivors: list[int], timeout: float) -> tuple[int, int] | None:
+        """After a lost node, the survivors agree on the next membership without a rendezvous round.
+
+        ``survivors`` is the same list on every survivor (the group ranks not in the claim's lost
+        set); the new group rank is this node's place in it. One ``add`` each and a wait on one
+        key; None when not every survivor arrived within ``timeout`` (another node is gone too:
+        fall back to the rendezvous). Not yet used by the agent, which re-rendezvous through
+        torch's handler; ``bench scale`` measures it against that handler.
+        """
+        order = sorted(survivors)
+        key = f"{_P}regroup/{generation}"
+        self.store.add(key, 1)
+        if not _reached(self.store, key, len(order), timeout):
+            return None
+        return order.index(node), len(order)
 
     def publish_master(self, generation: int, addr: str, port: int) -> None:
         self.store.set(f"{_P}master/{generation}", f"{addr}:{port}".encode())
 
     def master(self, generation: int, timeout: float) -> tuple[str, int]:
         key = f"{_P}master/{generation}"
-        deadline = time.monotonic() + timeout
-        while not self.store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the master address of generation {generation} was not published")
-            time.sleep(0.005)
+        try:
+            self.store.wait([key], datetime.timedelta(seconds=timeout))
+        except _timeout_error() as exc:
+            raise TimeoutError(f"the master address of generation {generation} was not published") from exc
         addr, _, port = self.store.get(key).decode().rpartition(":")
         return addr, int(port)
 
@@ -147,68 +161,24 @@ class JobControl:
         self.store.set(f"{_P}done/{node}", b"1")
 
 
-class Liveness:
-    """A thread that bumps this agent's counter and notices agents whose counter stalls.
+def _timeout_error() -> type[BaseException]:
+    import torch.distributed as dist
 
-    ``lost()`` lists the group ranks silent for longer than ``timeout_s``; ``reset(nodes)``
-    starts watching a new membership (after a rendezvous round). A store failure (the store's
-    host is gone) is reported by ``store_error``.
-    """
+    return getattr(dist, "DistStoreError", RuntimeError)
 
-    def __init__(self, connect: Callable[[], Any], node: int, *, interval_s: float, timeout_s: float) -> None:
-        self._connect = connect
-        self.node = node
-        self.interval_s = interval_s
-        self.timeout_s = timeout_s
-        self._peers: dict[int, tuple[int, float]] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self.store_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="tierckpt-liveness", daemon=True)
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def reset(self, node: int, nodes: list[int]) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self.node = node
-            self._peers = {n: (-1, now) for n in nodes if n != node}
-
-    def lost(self) -> list[int]:
-        now = time.monotonic()
-        with self._lock:
-            return sorted(n for n, (_, t) in self._peers.items() if now - t > self.timeout_s)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        errors = _store_error_types()
-        try:
-            store = self._connect()
-        except errors as exc:
-            self.store_error = str(exc)
-            return
-        failures = 0
-        while not self._stop.wait(self.interval_s):
-            try:
-                store.add(f"{_P}alive/{self.node}", 1)
-                with self._lock:
-                    peers = list(self._peers)
-                values = {n: int(store.add(f"{_P}alive/{n}", 0)) for n in peers}
-                failures = 0
-            except errors as exc:
-                failures += 1
-                if failures * self.interval_s > self.timeout_s:
-                    self.store_error = str(exc)
-                continue
-            now = time.monotonic()
-            with self._lock:
-                for n, v in values.items():
-                    if n in self._peers and self._peers[n][0] != v:
-                        self._peers[n] = (v, now)
+def _reached(store: Any, key: str, n: int, timeout: float) -> bool:
+    """Wait until the counter ``key`` reaches ``n`` without polling it: the agent that reads
+    ``n`` sets ``key/done`` and every other one waits on that one key (one wake-up each)."""
+    done = f"{key}/done"
+    if int(store.add(key, 0)) >= n:
+        store.set(done, b"1")
+        return True
+    try:
+        store.wait([done], datetime.timedelta(seconds=max(timeout, 0.001)))
+    except _timeout_error():
+        return int(store.add(key, 0)) >= n
+    return True
 
 
 def connect_client(host: str, port: int, timeout_s: float = 30.0) -> Any:

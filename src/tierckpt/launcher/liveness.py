@@ -1,0 +1,225 @@
+"""Agent liveness with O(N) store traffic per interval: each agent beats one key, one watcher reads them all.
+
+Keys, under ``tierckpt/run/live/<epoch>/`` of the rendezvous store (``epoch``: the generation
+agreed at the rendezvous round, so a verdict of an older membership is never read):
+
+    beat/<node>   an agent's counter: ``add(1)`` once per interval, by that agent only
+    verdict       the watcher's verdict, ``{"seq", "watcher", "lost"}``: ``set`` once per interval
+
+Call order, on every agent:
+
+    live = Liveness(connect, node, interval_s=0.5, timeout_s=30)   # once
+    live.start()                                # its thread: its own store client, see below
+    live.reset(node, nodes, epoch=generation)   # after every rendezvous round
+    live.lost()                                 # every monitor tick; no store operation
+    live.store_error                            # set when the store is unreachable for timeout_s
+    live.close()
+
+Per interval, the thread of every agent makes two store operations (``add`` its beat; read the
+verdict with one ``compare_set`` that never writes); the watcher makes two more (one
+``multi_get`` of every beat, one ``set`` of the verdict): ``2N + 2`` operations in all where the
+all-to-all scheme made ``N²``. The watcher is the lowest group rank not known lost. A verdict
+that has not changed for ``timeout_s`` means its watcher is gone: every agent counts it lost,
+and the lowest rank left takes over (watching from that moment, so a node that died with the
+watcher is found one ``timeout_s`` later). When the store itself lives with the watcher, its
+loss is ``store_error`` (LostStore) instead.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Liveness", "Silence", "Verdict", "store_error_types"]
+
+_P = "tierckpt/run/live/"
+_ABSENT = b"\x00absent"  # compare_set's expected value: a key that is missing reads as this
+
+
+def store_error_types() -> tuple[type[BaseException], ...]:
+    """What a TCPStore client raises when its server is gone or a wait times out."""
+    import torch.distributed as dist
+
+    return (RuntimeError, dist.DistError) if hasattr(dist, "DistError") else (RuntimeError,)
+
+
+def beat_key(epoch: int, node: int) -> str:
+    return f"{_P}{epoch}/beat/{node}"
+
+
+def verdict_key(epoch: int) -> str:
+    return f"{_P}{epoch}/verdict"
+
+
+class Silence:
+    """Which counters have not moved for ``timeout_s`` (pure; the caller passes the clock)."""
+
+    def __init__(self, nodes: Iterable[int], timeout_s: float, now: float) -> None:
+        self.timeout_s = timeout_s
+        self._last: dict[int, tuple[Any, float]] = {n: (None, now) for n in nodes}
+
+    def observe(self, node: int, value: Any, now: float) -> None:
+        seen = self._last.get(node)
+        if seen is not None and seen[0] != value:
+            self._last[node] = (value, now)
+
+    @property
+    def nodes(self) -> list[int]:
+        return sorted(self._last)
+
+    def silent(self, now: float) -> list[int]:
+        return sorted(n for n, (_, t) in self._last.items() if now - t > self.timeout_s)
+
+
+@dataclass
+class Verdict:
+    """An agent's reading of the verdict key (pure): who watches, who is lost, is it fresh."""
+
+    nodes: list[int]
+    timeout_s: float
+    since: float  #: when the verdict last changed (the reset, before the first one)
+    raw: bytes | None = None
+    watcher: int | None = None
+    published_lost: list[int] = field(default_factory=list)
+    started: bool = False  #: read once (Liveness moves ``since`` to its first read)
+
+    def read(self, raw: bytes | None, now: float) -> None:
+        if raw is None or raw == self.raw:
+            return
+        self.raw, self.since = raw, now
+        doc = json.loads(raw)
+        self.watcher, self.published_lost = int(doc["watcher"]), [int(n) for n in doc["lost"]]
+
+    def stale(self, now: float) -> bool:
+        return self.started and now - self.since > self.timeout_s
+
+    def designated(self, now: float) -> int | None:
+        """The watcher: the verdict's own while fresh, else the lowest rank not known lost."""
+        if self.watcher is not None and not self.stale(now):
+            return self.watcher
+        out = set(self.known_lost(now))
+        left = [n for n in self.nodes if n not in out]
+        return min(left) if left else None
+
+    def known_lost(self, now: float) -> list[int]:
+        lost = set(self.published_lost)
+        if self.stale(now):  # the watcher (or, before any verdict, the first one due) went silent
+            lost.add(self.watcher if self.watcher is not None else min(self.nodes, default=-1))
+        return sorted(n for n in lost if n in self.nodes)
+
+
+class Liveness:
+    """The liveness thread of one agent; see the module docstring for keys, call order and costs."""
+
+    def __init__(self, connect: Callable[[], Any], node: int, *, interval_s: float, timeout_s: float) -> None:
+        self._connect = connect
+        self.node = node
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._epoch = 0
+        self._verdict = Verdict([], timeout_s, time.monotonic())
+        self._watch: Silence | None = None  # while this agent is the watcher
+        self._watch_since_lost: list[int] = []  # lost when this agent took over (the old watcher)
+        self._seq = 0
+        self._all_beat = False  # every beat key of this epoch exists (multi_get would block otherwise)
+        self.store_error: str | None = None
+        self.ticks = 0  #: intervals completed (the bench and the tests count operations per tick)
+        self._thread = threading.Thread(target=self._run, name="tierckpt-liveness", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def reset(self, node: int, nodes: list[int], *, epoch: int = 0) -> None:
+        """Watch a new membership (after a rendezvous round); ``epoch`` is the same on every agent."""
+        with self._lock:
+            self.node, self._epoch = node, epoch
+            self._verdict = Verdict(sorted(nodes), self.timeout_s, time.monotonic())
+            self._watch, self._watch_since_lost, self._all_beat = None, [], False
+
+    def lost(self) -> list[int]:
+        """The other group ranks silent for longer than ``timeout_s``, as last known."""
+        now = time.monotonic()
+        with self._lock:
+            lost = self._watch_lost(now) if self._watch is not None else self._verdict.known_lost(now)
+        return [n for n in lost if n != self.node]
+
+    @property
+    def watching(self) -> bool:
+        """This agent is the watcher now."""
+        return self._watch is not None
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch_lost(self, now: float) -> list[int]:
+        assert self._watch is not None
+        return sorted(set(self._watch.silent(now)) | set(self._watch_since_lost))
+
+    def _run(self) -> None:
+        errors = store_error_types()
+        try:
+            store = self._connect()
+        except errors as exc:
+            self.store_error = str(exc)
+            return
+        failures = 0
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._tick(store)
+                failures = 0
+                self.ticks += 1
+            except errors as exc:
+                failures += 1
+                if failures * self.interval_s > self.timeout_s:
+                    self.store_error = str(exc)
+
+    def _tick(self, store: Any) -> None:
+        with self._lock:
+            epoch, node = self._epoch, self.node
+        store.add(beat_key(epoch, node), 1)
+        raw = store.compare_set(verdict_key(epoch), _ABSENT, _ABSENT)
+        now = time.monotonic()
+        with self._lock:
+            if epoch != self._epoch:
+                return  # a reset ran meanwhile: the next tick reads the new epoch
+            v = self._verdict
+            if not v.started:  # silence counts from this agent's first read, not from its reset
+                v.since, v.started = now, True
+            v.read(None if raw == _ABSENT else bytes(raw), now)
+            if v.designated(now) != node:
+                self._watch = None
+                return
+            if self._watch is None:  # taking over (or first to watch): every peer starts now
+                self._watch = Silence([n for n in v.nodes if n != node], self.timeout_s, now)
+                self._watch_since_lost = v.known_lost(now)
+            peers = self._watch.nodes
+        values = self._read_beats(store, epoch, peers)
+        now = time.monotonic()
+        with self._lock:
+            if epoch != self._epoch or self._watch is None:
+                return
+            for n, value in values.items():
+                self._watch.observe(n, value, now)
+            self._seq += 1
+            doc = json.dumps({"seq": self._seq, "watcher": node, "lost": self._watch_lost(now)}).encode()
+        store.set(verdict_key(epoch), doc)
+
+    def _read_beats(self, store: Any, epoch: int, peers: list[int]) -> dict[int, bytes]:
+        """Every peer's counter: one ``multi_get`` once every beat key exists (it would block on a
+        missing one), before that one non-blocking read per key."""
+        keys = [beat_key(epoch, n) for n in peers]
+        if not keys:
+            return {}
+        if not self._all_beat and store.check(keys):
+            self._all_beat = True
+        if self._all_beat:
+            return dict(zip(peers, (bytes(v) for v in store.multi_get(keys)), strict=True))
+        got = {n: bytes(store.compare_set(k, _ABSENT, _ABSENT)) for n, k in zip(peers, keys, strict=True)}
+        return {n: v for n, v in got.items() if v != _ABSENT}

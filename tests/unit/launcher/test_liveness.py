@@ -1,0 +1,167 @@
+"""Liveness with one watcher (launcher/liveness.py): the pure parts on a fake clock, then simulated
+agents in threads against a real TCPStore on 127.0.0.1, counting every store operation."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from tierckpt.bench.storecount import Counter, CountingStore
+from tierckpt.launcher.control import connect_client
+from tierckpt.launcher.liveness import Liveness, Silence, Verdict
+
+
+def _server() -> dist.TCPStore:  # type: ignore[name-defined]
+    # use_libuv=False: the libuv server accepts a client every ~150 ms on this box (64 clients: 10 s)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
+                         timeout=datetime.timedelta(seconds=10), use_libuv=False)
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def test_silence_reports_counters_that_stop_moving() -> None:
+    s = Silence([1, 2], timeout_s=1.0, now=0.0)
+    s.observe(1, b"1", 0.5)
+    s.observe(2, b"1", 0.5)
+    s.observe(1, b"2", 1.2)
+    assert s.silent(1.6) == [2] and s.silent(1.4) == []
+    s.observe(3, b"9", 1.0)  # not watched: ignored
+    assert s.nodes == [1, 2]
+
+
+def test_a_stale_verdict_names_its_watcher_lost_and_the_next_rank_takes_over() -> None:
+    v = Verdict([0, 1, 2, 3], timeout_s=1.0, since=0.0)
+    assert v.known_lost(9.0) == []  # never read yet: nobody is suspected
+    v.started = True
+    assert v.designated(0.5) == 0 and v.known_lost(0.5) == []
+    assert v.known_lost(1.5) == [0] and v.designated(1.5) == 1  # rank 0 never published
+    v.read(json.dumps({"seq": 1, "watcher": 0, "lost": [3]}).encode(), 2.0)
+    assert v.designated(2.5) == 0 and v.known_lost(2.5) == [3]
+    v.read(json.dumps({"seq": 1, "watcher": 0, "lost": [3]}).encode(), 2.8)  # unchanged: still stale at 3.1
+    assert v.known_lost(3.1) == [0, 3] and v.designated(3.1) == 1
+
+
+class _Agents:
+    """``n`` Liveness threads, each with its own counted client of one real TCPStore."""
+
+    def __init__(self, port: int, n: int, *, interval_s: float, timeout_s: float) -> None:
+        self.counters = [Counter() for _ in range(n)]
+        # connected one after the other: many clients connecting at once stall for seconds here
+        clients = [CountingStore(connect_client("127.0.0.1", port), c) for c in self.counters]
+        self.agents = [Liveness(lambda c=c: c, i, interval_s=interval_s, timeout_s=timeout_s)  # type: ignore[misc]
+                       for i, c in enumerate(clients)]
+        for a in self.agents:
+            a.reset(a.node, list(range(n)), epoch=7)
+            a.start()
+
+    def close(self) -> None:
+        for a in self.agents:
+            a.close()
+
+
+def test_store_operations_per_interval_grow_linearly_with_the_agents() -> None:
+    per_agent_tick = {}
+    for n in (8, 32):
+        store = _server()
+        agents = _Agents(store.port, n, interval_s=0.05, timeout_s=5.0)
+        try:
+            assert _until(lambda live=agents.agents: all(a.ticks >= 5 for a in live))  # type: ignore[misc]
+            ops0 = [c.value for c in agents.counters]
+            ticks0 = [a.ticks for a in agents.agents]
+            time.sleep(1.0)
+            ops = [c.value - o for c, o in zip(agents.counters, ops0, strict=True)]
+            ticks = [a.ticks - t for a, t in zip(agents.agents, ticks0, strict=True)]
+            assert [a.watching for a in agents.agents] == [True] + [False] * (n - 1), n
+            assert all(a.lost() == [] for a in agents.agents)
+        finally:
+            agents.close()
+        # every agent but the watcher: exactly 2 operations a tick (its beat, the verdict)
+        for o, t in zip(ops[1:], ticks[1:], strict=True):
+            assert abs(o - 2 * t) <= 2, (n, o, t)
+        # the watcher: 2 more a tick (one multi_get of every beat, one set), whatever n is
+        assert ops[0] <= 4 * ticks[0] + 4, (n, ops[0], ticks[0])
+        per_agent_tick[n] = sum(ops) / sum(ticks)
+    # all-to-all reads would make this grow 4x from 8 to 32 agents; here it stays flat
+    assert per_agent_tick[32] <= per_agent_tick[8] * 1.2, per_agent_tick
+
+
+def test_the_watcher_dies_and_the_next_rank_takes_over() -> None:
+    store = _server()
+    agents = _Agents(store.port, 4, interval_s=0.05, timeout_s=0.6)
+    a0, a1, a2, a3 = agents.agents
+    try:
+        assert _until(lambda: all(a.ticks >= 3 for a in agents.agents))
+        assert a0.watching and all(a.lost() == [] for a in agents.agents)
+        a0.close()  # the watcher's agent goes silent; the store (elsewhere) stays
+        assert _until(lambda: all(a.lost() == [0] for a in (a1, a2, a3)))
+        assert _until(lambda: a1.watching and not a2.watching and not a3.watching)
+        time.sleep(0.3)
+        assert [a.lost() for a in (a1, a2, a3)] == [[0]] * 3  # nobody else is suspected
+        a3.close()  # a second loss is found by the new watcher
+        assert _until(lambda: a1.lost() == [0, 3] and a2.lost() == [0, 3])
+    finally:
+        agents.close()
+
+
+def test_a_store_that_goes_away_is_a_store_error() -> None:
+    store = _server()
+    agents = _Agents(store.port, 2, interval_s=0.05, timeout_s=0.3)
+    try:
+        assert _until(lambda: all(a.ticks >= 3 for a in agents.agents))
+        del store
+        gc.collect()
+        assert _until(lambda: all(a.store_error is not None for a in agents.agents))
+    finally:
+        agents.close()
+
+
+def test_a_new_epoch_does_not_read_the_old_verdict() -> None:
+    store = _server()
+    store.set("tierckpt/run/live/6/verdict", json.dumps({"seq": 9, "watcher": 1, "lost": [0]}).encode())
+    agents = _Agents(store.port, 2, interval_s=0.05, timeout_s=5.0)  # epoch 7
+    try:
+        assert _until(lambda: all(a.ticks >= 5 for a in agents.agents))
+        assert all(a.lost() == [] for a in agents.agents) and agents.agents[0].watching
+    finally:
+        agents.close()
+
+
+def test_stop_barrier_and_regroup_cost_a_few_operations_per_agent_whatever_the_wait() -> None:
+    import threading
+
+    from tierckpt.launcher.control import JobControl
+
+    store = _server()
+    n = 16
+    counters = [Counter() for _ in range(n)]
+    ctls = [JobControl(CountingStore(connect_client("127.0.0.1", store.port), c)) for c in counters]
+    out: dict[int, tuple[bool, tuple[int, int] | None]] = {}
+
+    def agent(i: int) -> None:
+        time.sleep(0.01 * i)  # arrivals spread over 0.15 s: a poller would pay for every wait
+        ctls[i].stopped(3)
+        ok = ctls[i].wait_stopped(3, n, timeout=10)
+        survivors = [x for x in range(n) if x != 5]
+        out[i] = (ok, ctls[i].regroup(3, i, survivors, timeout=10) if i != 5 else None)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(out[i][0] for i in range(n))
+    assert [out[i][1] for i in range(n) if i != 5] == [(r, n - 1) for r in range(n - 1)]
+    assert max(c.value for c in counters) <= 8, [c.value for c in counters]  # add, add, wait, set; twice
+    assert ctls[0].regroup(4, 0, [0, 1], timeout=0.2) is None  # node 1 never comes
