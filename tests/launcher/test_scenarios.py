@@ -278,3 +278,22 @@ def test_active_deadline_fails_the_job(make_job: Callable[..., LocalJob], tmp_pa
         assert ev[-1]["event"] == "exit" and ev[-1]["why"] == "activeDeadlineSeconds exceeded"
         assert not [e for e in ev if e["event"] == "restart"]
     assert all(job.last_step(r) >= 1 for r in RANKS)  # it trained until the deadline
+
+
+def test_startup_deadline_fails_the_job(make_job: Callable[..., LocalJob], tmp_path: Path) -> None:
+    """``startupDeadlineSeconds``: a generation with no first heartbeat and no log-rule match in time
+    fails the job (exit 1 on every agent, no restart), as the operator fails a job that does not start;
+    ``expectedStartCutOffInSeconds`` (a rule's own start deadline) is a fault that restarts instead."""
+    rules = """      - name: JobStart
+        logPattern: ".*Loss:.*"
+"""
+    job = make_job(train=["--steps", "100", "--fault", "stall_on_start", "--fault-rank", "1"],
+                   job_file=_job_yaml(tmp_path, rules, "    startupDeadlineSeconds: 8\n"))
+    job.start()
+    assert job.wait_exit(90) == {0: 1, 1: 1}, job.report()
+    for node in range(2):
+        ev = job.events(node)
+        fault = next(e for e in ev if e["event"] == "fault")
+        assert fault["reason"] == "StartupDeadline" and fault["generation"] == 0, fault  # rank 0 waits on rank 1
+        assert ev[-1]["event"] == "exit" and ev[-1]["why"] == "startupDeadlineSeconds exceeded", ev[-1]
+        assert not [e for e in ev if e["event"] == "restart"]

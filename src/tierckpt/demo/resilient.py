@@ -9,7 +9,8 @@ all-reduced by hand (no DDP, whose lazy imports would dominate a restart), a
 and check which step was resumed.
 
 Faults on request (only in generation ``--fault-generation``, rank ``--fault-rank``):
-``crash_on_start`` (exit 3 before the first step), ``nan`` (loss NaN at ``--fault-step``),
+``crash_on_start`` (exit 3 before the first step), ``stall_on_start`` (wait forever before it),
+``nan`` (loss NaN at ``--fault-step``),
 ``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step),
 ``hang`` (block forever in a wait at that step, without a heartbeat: the other ranks block in
 their next all-reduce, a collective that never returns).
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--durable-every", type=int, default=0)
     ap.add_argument("--global-mode", action="store_true",
                     help="one global DCP checkpoint (needs a durable tier across nodes); default: local mode")
-    ap.add_argument("--fault", choices=["none", "crash_on_start", "nan", "silent", "exit", "hang"], default="none")
+    ap.add_argument("--fault", choices=["none", "crash_on_start", "stall_on_start", "nan", "silent", "exit", "hang"],
+                    default="none")
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-generation", type=int, default=0, help="-1: every generation")
     ap.add_argument("--fault-rank", type=int, default=1)
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     if faulty and args.fault == "crash_on_start":
         print("crashing on start (as asked)", flush=True)
         return 3
+    if faulty and args.fault == "stall_on_start":  # never beats, never prints a loss line
+        import threading
+
+        threading.Event().wait()
 
     import torch
     import torch.distributed as dist

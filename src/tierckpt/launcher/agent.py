@@ -325,14 +325,18 @@ class TierckptAgent(LocalElasticAgent):
         peer_busy = sample_ranks(self._trackers, self._pcontext.pids() if self._pcontext else {}, now,
                                  None if board is None else lambda busy, ask: board.exchange(
                                      self.generation, self.nnodes, busy, ask))
-        for local_rank, tr in self._trackers.items():
-            problem = tr.check(now, peer_busy=peer_busy[local_rank])
-            if problem is not None:
-                return self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
-        self._report_calibration()
+        started = set()  # local ranks whose output matched a log rule: started, as a first beat says
         for (local_rank, _), (reader, mon) in self._rules.items():
             for line in reader.lines():
                 mon.feed(line, now)
+            if mon.matched:
+                started.add(local_rank)
+        for local_rank, tr in self._trackers.items():
+            problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started)
+            if problem is not None:
+                return self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
+        self._report_calibration()
+        for (local_rank, _), (_reader, mon) in self._rules.items():
             verdict = mon.check(now)
             if verdict is not None:
                 return self._record(verdict.reason, by_local.get(local_rank), verdict.detail, since=now)

@@ -26,8 +26,10 @@ How the HyperPod run policy is read here (its docs do not define the counting; t
    N = 2 means: fault 1 and 2 restart processes, fault 3 within the window restarts the job.
 5. Otherwise RESTART (process level).
 
-Deadlines (rule 0, before the others): a fault whose reason is ``ActiveDeadline`` or
-``FaultDeadline`` (raised by ``deadline_fault``) FAILs. ``fault_deadline_s``
+Deadlines (rule 0, before the others): a fault whose reason is ``ActiveDeadline``,
+``FaultDeadline`` (raised by ``deadline_fault``) or ``StartupDeadline`` (no first heartbeat and no
+log-rule match within ``startupDeadlineSeconds`` of a generation's start) FAILs, as the operator
+fails a job that does not start. ``fault_deadline_s``
 (``faultDeadlineSeconds``): the job is "in fault" from a fault until a generation recovers
 (every worker beat, or it ran ``stable_after_s``: a script that never beats recovers only then);
 F FAILs if its restart (after the backoff) would come later than ``fault_deadline_s`` after the
@@ -54,10 +56,13 @@ from typing import Any
 from tierckpt.errors import ConfigError, ProtocolError
 from tierckpt.launcher.jobspec import RunPolicy
 
-__all__ = ["ACTIVE_DEADLINE", "FAULT_DEADLINE", "Action", "Decision", "EscalationPolicy", "Fault", "restarts_before"]
+__all__ = ["ACTIVE_DEADLINE", "FAULT_DEADLINE", "STARTUP_DEADLINE", "Action", "Decision", "EscalationPolicy", "Fault", "restarts_before"]
 
 ACTIVE_DEADLINE = "ActiveDeadline"
 FAULT_DEADLINE = "FaultDeadline"
+STARTUP_DEADLINE = "StartupDeadline"  # the reason heartbeat.py raises
+_DEADLINES = {ACTIVE_DEADLINE: "activeDeadlineSeconds", FAULT_DEADLINE: "faultDeadlineSeconds",
+              STARTUP_DEADLINE: "startupDeadlineSeconds"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,8 +214,8 @@ class EscalationPolicy:
                 "decide needs the fault being decided as the last entry of history; it was empty"
             )
         last = history[-1]
-        if last.reason in (ACTIVE_DEADLINE, FAULT_DEADLINE):
-            what = "activeDeadlineSeconds" if last.reason == ACTIVE_DEADLINE else "faultDeadlineSeconds"
+        if last.reason in _DEADLINES:
+            what = _DEADLINES[last.reason]
             return Decision(Action.FAIL, 0.0, f"{what} exceeded",
                             f"{last.reason}: raise {what} in the job file if the job needs longer")
         fail = self._fail_reason(history, prior_restarts)

@@ -142,18 +142,21 @@ class BeatTracker:
         return self.evidence.known and \
             self.evidence.idle_for() >= self.policy.hang.idle_limit(self.profile) - 2.0
 
-    def check(self, now: float, *, peer_busy: bool = False) -> tuple[str, str] | None:
+    def check(self, now: float, *, peer_busy: bool = False, started: bool = False) -> tuple[str, str] | None:
         """(reason, detail) when this rank is faulty now, else None.
 
-        ``peer_busy``: another rank of the job is silent and busy (hang.py, rule 3)."""
+        ``peer_busy``: another rank of the job is silent and busy (hang.py, rule 3). ``started``:
+        a log rule matched this rank's output, which meets ``startupDeadlineSeconds`` as a first
+        beat does (the deadline is the job's start, by either sign)."""
         if self.non_finite:
             return NON_FINITE_LOSS, f"step {self.step}: loss is {self.loss}"
         limit = self.timeout()
         if limit is None:
             return None
         if self.last_change is None:
-            if now - self.start > limit:
-                return STARTUP, f"no heartbeat within startupDeadlineSeconds ({limit:g}s) of the start"
+            if not started and now - self.start > limit:
+                return STARTUP, (f"no heartbeat and no log-rule match within startupDeadlineSeconds ({limit:g}s) "
+                                 "of the start")
             return None
         silent = now - self.last_change
         if self.policy.fixed_timeout_s is None and self.evidence.known:

@@ -187,6 +187,11 @@ class RuleMonitor:
         return {rule.rule.name: rule.evaluate(t, self._start)[0] for rule in self._rules}
 
     @property
+    def matched(self) -> bool:
+        """Some rule's ``logPattern`` matched a line: the job has started (``startupDeadlineSeconds``)."""
+        return any(rule.last_match is not None for rule in self._rules)
+
+    @property
     def paused(self) -> bool:
         return self._paused_since is not None
 

@@ -429,7 +429,8 @@ def test_deadlines_come_from_the_run_policy() -> None:
 
 def test_a_deadline_fault_fails_the_job() -> None:
     policy = EscalationPolicy()
-    for reason, field in (("ActiveDeadline", "activeDeadlineSeconds"), ("FaultDeadline", "faultDeadlineSeconds")):
+    for reason, field in (("ActiveDeadline", "activeDeadlineSeconds"), ("FaultDeadline", "faultDeadlineSeconds"),
+                          ("StartupDeadline", "startupDeadlineSeconds")):
         decision = policy.decide([fault(0, reason=reason)])
         assert decision.action is Action.FAIL and decision.reason == f"{field} exceeded"
         assert field in decision.detail

@@ -78,6 +78,8 @@ def test_floor_and_fixed_timeout_and_startup_deadline() -> None:
     start = BeatTracker(HeartbeatPolicy(startup_deadline_s=30.0), start=100.0)
     assert start.check(129.0) is None
     assert (start.check(131.0) or ("",))[0] == "StartupDeadline"
+    # a log-rule match is a start as good as a first beat (startupDeadlineSeconds is the job's start)
+    assert start.check(131.0, started=True) is None
     with pytest.raises(ValueError):
         HeartbeatPolicy(fixed_timeout_s=0)
 
@@ -168,3 +170,16 @@ def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
     finally:
         waker.close()
     assert signal.getsignal(signal.SIGCHLD) == before
+
+
+def test_a_log_rule_match_says_the_job_started() -> None:
+    import re
+
+    from tierckpt.launcher.jobspec import LogRule
+    from tierckpt.launcher.rules import RuleMonitor
+
+    mon = RuleMonitor([LogRule(name="Start", log_pattern=re.compile(".*Loss:.*"))], 0.0)
+    mon.feed("loading data", 1.0)
+    assert not mon.matched
+    mon.feed("Batch 1 Loss: 0.5", 2.0)
+    assert mon.matched
