@@ -189,11 +189,11 @@ def step(step: int, loss: float | None = None, **metrics: float) -> None:
     if bad and not _warned_non_finite:
         _warned_non_finite = True
         _log.error("step %s: non-finite loss %s (%s)", step, loss, NON_FINITE_LOSS)
+    hook = _non_finite_hook
+    if bad and hook is not None:  # tierckpt.resilient restarts in-process and reports it itself
+        hook(step, loss)
     if writer is not None:
         writer.write(step, float("nan") if bad and loss is None else loss)
-    hook = _non_finite_hook
-    if bad and hook is not None:
-        hook(step, loss)
 
 
 _non_finite_hook: Callable[[int, float | None], None] | None = None
