@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     rank_env = int(os.environ.get("RANK", "0"))
     trace = work / f"trace_rank{rank_env}.jsonl"
-    gen = int(os.environ.get("TIERCKPT_GENERATION", "0"))
+    gen = int(os.environ.get("TIERCKPT_GENERATION", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
@@ -170,6 +170,8 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                 p.grad /= world
             optim.step()
             value = float(loss)
+            if faulty and args.fault in ("nan", "exit", "raise", "hang") and step >= args.fault_step:
+                _trace(trace, "fault", step=step, fault=args.fault, inproc=inproc)
             if faulty and args.fault == "nan" and step >= args.fault_step:
                 value = math.nan
             if faulty and args.fault == "exit" and step >= args.fault_step:
