@@ -16,6 +16,7 @@ SUITES = {
     "s3": "durable drain and load over S3 against s3torchconnector (docs/s3.md)",
     "replication": "agents replicating a step against a raw socket copy",
     "recovery": "tierckpt run against torchrun on a SIGKILLed and a SIGSTOPped worker",
+    "gpu": "CUDA: overlapped save stall against the device-to-host copy; in-process restart (NCCL)",
 }
 
 
