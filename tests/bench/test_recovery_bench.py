@@ -65,3 +65,19 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nope" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         recovery.main(["--rounds", "0"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_compiled_nan_in_process(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--compile``: the in-process column of a NaN, with its stages; the process stayed."""
+    out, logs = tmp_path / "compiled.json", tmp_path / "logs"
+    rc = recovery.main(["--compile", "--scenarios", "nan", "--launchers", "inprocess", "--cap", "60",
+                        "--shm-dir", str(shm_root), "--logs", str(logs), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    fig = json.loads(out.read_text())["figures"]["nan"]["inprocess"]
+    assert fig["median_s"] is not None and fig["median_s"] > 0 and not fig["capped"], printed
+    assert all(fig["stages_s"][s] is not None for s in ("detect", "stop", "pg", "load", "first_step")), printed
+    assert "load average" in printed
+    assert not _processes_naming(str(logs)), "the bench left processes behind"
