@@ -60,7 +60,7 @@ _POLL_S = 0.05
 _GRACE_S = 0.3  # a rank inside a collective leaves it by the abort; the signal is for the others
 
 
-@dataclass
+@dataclass(frozen=True)
 class Generation:
     """What ``fn`` is told at each call: which in-process generation, and why the last one ended."""
 
