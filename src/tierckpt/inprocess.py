@@ -164,9 +164,11 @@ class Resilient(Generic[T]):
         """Mark the fault, abort and destroy the group, wait for every rank; the next generation."""
         t_left = time.time()
         k = gen.index
-        reason = self._reason or (exc.reason if isinstance(exc, RestartRequested) else type(exc).__name__)
+        mine = self._reason or (exc.reason if isinstance(exc, RestartRequested) else type(exc).__name__)
         t_fault = self._fault_time or t_left
-        store.compare_set(f"tierckpt/inproc/{k}/fault", "", f"{reason} on rank {gen.rank}")
+        # the first fault marked wins: a peer's "connection closed" names the cause, not itself
+        first = store.compare_set(f"tierckpt/inproc/{k}/fault", "", f"{mine} on rank {gen.rank}")
+        reason = bytes(first).decode().split(" on rank ")[0] or mine
         aborter.abort()
         self._fault.set()
         watchdog.join()

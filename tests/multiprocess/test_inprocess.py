@@ -41,7 +41,7 @@ def _start(tmp: Path, shm: str, fault: str) -> list[subprocess.Popen[bytes]]:
                "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "TIERCKPT_MEMORY_DIR": shm, "TIERCKPT_NAMESPACE": "inproc-test",
                "TIERCKPT_MONITOR_DIR": str(tmp / "mon"), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "tierckpt.demo.resilient", "--workdir", str(tmp / "work"), "--inprocess",
+        cmd = [sys.executable, "-X", "faulthandler", "-m", "tierckpt.demo.resilient", "--workdir", str(tmp / "work"), "--inprocess",
                "--steps", str(STEPS), "--step-time", "0.05", "--fault", fault, "--fault-step", str(FAULT_STEP),
                "--fault-rank", "1"]
         with open(tmp / f"out{rank}.log", "wb") as out:
@@ -53,7 +53,8 @@ def _wait(procs: list[subprocess.Popen[bytes]], tmp: Path, timeout: float = 150.
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            assert p.wait(max(1.0, deadline - time.monotonic())) == 0, _logs(tmp)
+            code = p.wait(max(1.0, deadline - time.monotonic()))
+            assert code == 0, f"a rank exited with {code}\n{_logs(tmp)}"
     finally:
         for p in procs:  # only the processes this test started
             if p.poll() is None:
