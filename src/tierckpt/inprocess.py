@@ -152,6 +152,8 @@ class Resilient(Generic[T]):
             monitor.set_non_finite_hook(None)
 
     def _init_group(self, store: Any, k: int, rank: int, world: int) -> _Aborter:
+        if self.backend == "nccl":  # on a NCCL error abort the communicator only; 1 and 3 end the process
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         before = _open_fds()
         dist.init_process_group(self.backend, store=dist.PrefixStore(  # type: ignore[attr-defined]
             f"tierckpt/inproc/{k}/pg", store), rank=rank,
