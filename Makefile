@@ -2,7 +2,7 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt | sha1sum | cut -c1-12)
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt requirements-nodeps.txt | sha1sum | cut -c1-12)
 
 .PHONY: demo test test-fast lint bench clean
 
@@ -10,6 +10,7 @@ demo: $(STAMP)
 	$(BIN)/tierckpt demo
 
 test: $(STAMP)
+	@sh tests/cluster/install.sh  # root with apt: iproute2, slurm-wlm, munge when missing
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
@@ -29,6 +30,8 @@ $(STAMP):
 	$(BIN)/python -m pip install -q --upgrade pip
 	# the CPU wheel of torch, pinned for this machine; the package itself asks for torch>=2.6
 	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	# torchtitan without its declared (nightly, unused) dependencies: see requirements-nodeps.txt
+	$(BIN)/python -m pip install -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/python -m pip install -q --no-deps -e .
 	rm -f $(VENV)/.installed-*
 	touch $@

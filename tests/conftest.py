@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,3 +25,27 @@ def durable_dir(tmp_path: Path) -> Path:
     d = tmp_path / "durable"
     d.mkdir()
     return d
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Any]:
+    """A factory of real, tiny tmpfs mounts (``make(size='4m', ro=False)``), unmounted after.
+
+    Skips the test where mounting is not permitted (not root, no CAP_SYS_ADMIN).
+    """
+    mounted: list[Path] = []
+
+    def make(size: str = "4m", *, ro: bool = False) -> Path:
+        where = tmp_path / f"tmpfs-{len(mounted)}"
+        where.mkdir()
+        opts = f"size={size}" + (",ro" if ro else "")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(where)],
+                              capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip() or done.returncode}")
+        mounted.append(where)
+        return where
+
+    yield make
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)

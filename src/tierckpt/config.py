@@ -22,7 +22,15 @@ from urllib.parse import unquote, urlparse
 
 from tierckpt.errors import ConfigError
 
-__all__ = ["CheckpointConfig", "DurableLocation", "S3Settings", "launcher_settings", "validate_namespace"]
+__all__ = [
+    "CheckpointConfig",
+    "DurableLocation",
+    "S3Settings",
+    "launcher_settings",
+    "node_ram_bytes",
+    "parse_memory_budget",
+    "validate_namespace",
+]
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 DEFAULT_MEMORY_DIR = "/dev/shm/tierckpt"
@@ -181,6 +189,11 @@ class CheckpointConfig:
     durable_steps_retained newest M durable steps kept; None keeps all
     memory_budget_bytes    most bytes of shared memory one rank's slots may hold; None = no cap
                            beyond the free space of ``memory_dir``
+    node_memory_budget     cap on everything the node's memory root holds (every local rank's
+                           steps and slots, replicas, the peer cache): "40%" of the node's RAM
+                           (20-100 %) or bytes (an int, or "64G"); saves evict the node's own
+                           older steps to stay under it. None: the node agent's
+                           ``--memory-budget`` when one runs, else no node cap
     io_threads             threads for checksums and durable copies
     local_mode             collective-free mode: each rank saves and loads only its own shards
                            (namespace ``<namespace>--rank<r>``), same sharding on load
@@ -205,6 +218,7 @@ class CheckpointConfig:
     durable_every_n_steps: int = 1
     durable_steps_retained: int | None = None
     memory_budget_bytes: int | None = None
+    node_memory_budget: int | str | None = None
     io_threads: int = 4
     local_mode: bool = False
     s3: S3Settings = field(default_factory=S3Settings)
@@ -226,6 +240,8 @@ class CheckpointConfig:
             _check_int("durable_steps_retained", self.durable_steps_retained, minimum=1)
         if self.memory_budget_bytes is not None:
             _check_int("memory_budget_bytes", self.memory_budget_bytes, minimum=1)
+        if self.node_memory_budget is not None:
+            parse_memory_budget(self.node_memory_budget, node_ram_bytes(), field="node_memory_budget")
         _check_int("io_threads", self.io_threads, minimum=1)
         if not isinstance(self.local_mode, bool):
             raise ConfigError(f"local_mode must be True or False, got {self.local_mode!r}")
@@ -267,6 +283,13 @@ class CheckpointConfig:
             )
 
     @property
+    def node_budget_bytes(self) -> int | None:
+        """``node_memory_budget`` in bytes (a share of this node's RAM resolved here), or None."""
+        if self.node_memory_budget is None:
+            return None
+        return parse_memory_budget(self.node_memory_budget, node_ram_bytes(), field="node_memory_budget")
+
+    @property
     def durable(self) -> DurableLocation | None:
         """The parsed durable location, or None when the config is memory-only."""
         return None if self.durable_url is None else DurableLocation.parse(self.durable_url)
@@ -298,7 +321,8 @@ class CheckpointConfig:
 
         TIERCKPT_NAMESPACE, TIERCKPT_MEMORY_DIR, TIERCKPT_DURABLE_URL,
         TIERCKPT_MEMORY_STEPS_RETAINED, TIERCKPT_DURABLE_EVERY_N_STEPS,
-        TIERCKPT_DURABLE_STEPS_RETAINED, TIERCKPT_MEMORY_BUDGET_BYTES, TIERCKPT_IO_THREADS,
+        TIERCKPT_DURABLE_STEPS_RETAINED, TIERCKPT_MEMORY_BUDGET_BYTES, TIERCKPT_NODE_MEMORY_BUDGET,
+        TIERCKPT_IO_THREADS,
         TIERCKPT_RESUME_BEFORE; S3 overrides: TIERCKPT_S3_PART_SIZE, TIERCKPT_S3_MAX_CONCURRENCY.
         """
         env = os.environ if environ is None else environ
@@ -311,6 +335,7 @@ class CheckpointConfig:
             ("durable_every_n_steps", int),
             ("durable_steps_retained", int),
             ("memory_budget_bytes", int),
+            ("node_memory_budget", str),
             ("io_threads", int),
             ("resume_before", int),
         ):
@@ -339,6 +364,38 @@ class CheckpointConfig:
             raise ConfigError(f"unknown CheckpointConfig field(s): {', '.join(unknown)}")
         with _no_launcher():  # the environment is read above (or the caller chose it); overrides win quietly
             return cls(**values)
+
+
+_SIZE_RE = re.compile(r"(\d+)\s*([KMGT]i?B?|B)?", re.IGNORECASE)
+_PERCENT_RE = re.compile(r"(\d+(?:\.\d+)?)\s*%")
+
+
+def node_ram_bytes() -> int:
+    """This node's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def parse_memory_budget(value: object, total_bytes: int, *, field: str = "memory budget") -> int:
+    """A budget as bytes: an int, "64G" / "512M" (powers of 1024), or "40%" of ``total_bytes`` (20-100 %)."""
+    fix = f"{field}={value!r}: use a share of RAM such as '40%' (20-100 %) or bytes such as 64G"
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(fix)
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"{field} must be at least 1 byte, got {value}")
+        return value
+    text = value.strip()
+    if m := _PERCENT_RE.fullmatch(text):
+        share = float(m.group(1))
+        if not 20 <= share <= 100:
+            raise ConfigError(f"{field}={value!r}: a share of RAM must be 20-100 %")
+        return int(total_bytes * share / 100)
+    if m := _SIZE_RE.fullmatch(text):
+        unit = (m.group(2) or "B")[0].upper()
+        n = int(m.group(1)) * 1024 ** "BKMGT".index(unit)
+        if n >= 1:
+            return n
+    raise ConfigError(fix)
 
 
 @contextmanager

@@ -35,6 +35,9 @@ class SaveHandle:
         self._memory: Future[None] = Future()
         self._future: Future[None] = Future()
         self.skipped: str | None = None  #: why the step was not committed (a non-finite loss), or None
+        #: the memory tier failed ('no_space', 'unwritable', 'error'; 'other_rank': another rank's did):
+        #: the step went to the durable tier only
+        self.fallback: str | None = None
 
     @property
     def staged(self) -> bool:

@@ -27,6 +27,7 @@ from tierckpt.dcp.agree import gather
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, NoUsableStepError, StorageError
 from tierckpt.runtime import RankRuntime
 from tierckpt.tiers import open_memory
+from tierckpt.tiers.peer import open_peer
 
 __all__ = ["agree", "confirm", "localize", "write_back"]
 
@@ -64,6 +65,20 @@ def write_back(original: Any, loaded: Any) -> None:
                 original[i] = loaded[i]
 
 
+def _peer_steps(rt: RankRuntime) -> set[int]:
+    """Steps of this rank that peers hold complete (through this node's agent; none without one):
+    a rank relaunched on a machine whose memory tier is empty resumes from its replica."""
+    peer = open_peer(rt.config.memory_dir, rt.config.namespace)
+    if peer is None:
+        return set()
+    try:
+        catalog = peer.catalog()
+    except (StorageError, ValueError, KeyError, TypeError) as exc:
+        rt.log.warning(None, "the node agent cannot list peers, loading without them: %s", exc)
+        return set()
+    return {step for step, entry in catalog.items() if entry.all_files and entry.all_files <= set(entry.held)}
+
+
 def agree(rt: RankRuntime, base: CheckpointConfig, requested: int | None, exclude: set[int],
           group: dist.ProcessGroup | None, *, before: int | None = None) -> int | None:
     """The newest step (or ``requested``) that every rank holds in some tier; None if none exists.
@@ -73,7 +88,7 @@ def agree(rt: RankRuntime, base: CheckpointConfig, requested: int | None, exclud
     under their names in this rank's memory root) while no step is held by every rank →
     NoUsableStepError naming who holds what: never None, which means "start fresh".
     """
-    mine: set[int] = {s.step for s in rt.memory.list_steps()}
+    mine: set[int] = {s.step for s in rt.memory.list_steps()} | _peer_steps(rt)
     if rt.durable is not None:
         try:
             mine |= {s.step for s in rt.durable.list_steps()}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DurablePolicy", "RetentionPolicy"]
@@ -22,9 +22,13 @@ class RetentionPolicy:
         return ordered[: max(0, len(ordered) - max(self.keep, 1))]
 
     @staticmethod
-    def select_for_eviction(committed: Sequence[int]) -> list[int]:
-        """Under memory pressure: every step but the newest, oldest first."""
-        return sorted(set(committed))[:-1]
+    def select_for_eviction(committed: Sequence[int], copied: Collection[int] = (),
+                            busy: Collection[int] = ()) -> list[int]:
+        """Under memory pressure: every step but the newest and the ``busy`` ones (pinned by a
+        load or a durable copy), those with a copy elsewhere (``copied``: durable or peer) first,
+        oldest first within each group."""
+        ordered = sorted(set(committed))[:-1]
+        return sorted((s for s in ordered if s not in busy), key=lambda s: (s not in copied, s))
 
 
 @dataclass(frozen=True)

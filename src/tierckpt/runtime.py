@@ -9,17 +9,20 @@ this process; ``Checkpointer`` owns and closes its own.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import StorageError
+from tierckpt.nodebudget import NodeBudget
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
 from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
-from tierckpt.tiers.peer import notify_committed
+from tierckpt.tiers.peer import notify_committed, open_peer
 
 __all__ = ["RankRuntime", "runtime_for"]
 
@@ -39,12 +42,15 @@ class RankRuntime:
         #: errors that background threads (node commit) hit and that are bugs, not faults:
         #: raised by this rank's next save instead of being logged and forgotten
         self.background_errors: list[BaseException] = []
+        self.fallbacks = 0  #: saves the DCP plug-ins sent to the durable tier because the memory tier failed
+        self.node_budget = NodeBudget(config.memory_dir, config.node_budget_bytes)
         self.pool = SlotPool(
             self.memory.ns_dir, rank,
             budget_bytes=config.memory_budget_bytes,
-            evict=self.evict_oldest,
+            evict=self.evict_for_room,
             gc=lambda: self.memory.gc_staging(keep=set(self.in_flight)),
             steps_retained=config.memory_steps_retained,
+            node=self.node_budget,
         )
         self.stager = Stager(self.pool)
         self.executor = ThreadPoolExecutor(config.io_threads, thread_name_prefix="tierckpt-io")
@@ -64,15 +70,58 @@ class RankRuntime:
         """Tell this node's agent, if one runs, that ``step`` is committed here (never waits)."""
         notify_committed(self.config.memory_dir, self.config.namespace, step)
 
-    def evict_oldest(self) -> bool:
-        """Delete the oldest committed memory step that is not the newest; True if one went."""
-        steps = [s.step for s in self.memory.list_steps()]
-        victims = RetentionPolicy.select_for_eviction(steps)
+    def evict_for_room(self, nbytes: int) -> bool:
+        """Free memory for a slot of ``nbytes``; True if something went.
+
+        Over the node budget the node agent evicts peer-cache copies and replicas first; then
+        the oldest committed memory step goes that is not the newest and not in use (pinned),
+        one with a durable or peer copy before one that exists only here.
+        """
+        node = self.node_budget
+        if node.limit() is not None and not node.fits(nbytes) and node.agent_make_room(nbytes):
+            return True
+        listed = [s.step for s in self.memory.list_steps()]
+        victims = RetentionPolicy.select_for_eviction(listed, busy=self._pinned_steps())
+        if len(victims) > 1:  # the order matters only with a choice: ask where copies are
+            victims = RetentionPolicy.select_for_eviction(listed, copied=self._copied_elsewhere(victims),
+                                                          busy=self._pinned_steps())
         if not victims:
             return False
         self.log.warning(victims[0], "evicted from memory to make room (memory budget)")
         self.memory.delete(victims[0])
         return True
+
+    def _pinned_steps(self) -> set[int]:
+        """Steps whose files a load or a durable copy holds a pin on (``LocalTier.pin``)."""
+        out = set()
+        try:
+            names = os.listdir(self.memory.ns_dir / layout.PINS)
+        except OSError:
+            return set()
+        for name in names:
+            step = layout.parse_step_dir(name.split(".", 1)[0])
+            if step is not None:
+                out.add(step)
+        return out
+
+    def _copied_elsewhere(self, steps: list[int]) -> set[int]:
+        """Those of ``steps`` whose data files here also exist in the durable tier or on a peer."""
+        out: set[int] = set()
+        try:
+            if self.durable is not None:
+                out |= {s.step for s in self.durable.list_steps()} & set(steps)
+            peer = open_peer(self.config.memory_dir, self.config.namespace)
+            rest = set(steps) - out
+            if peer is not None and rest:
+                held = peer.catalog()
+                for listing in self.memory.list_steps():
+                    ours = {n for n in listing.files if n.endswith(".distcp")}
+                    theirs = held.get(listing.step)
+                    if listing.step in rest and theirs is not None and ours and ours <= set(theirs.held):
+                        out.add(listing.step)
+        except StorageError as exc:
+            self.log.warning(None, "could not tell which memory steps have other copies: %s", exc)
+        return out
 
     def apply_retention(self, tier: Tier, policy: RetentionPolicy) -> list[int]:
         """Delete what ``policy`` selects in ``tier``; failures are logged, not raised."""

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt import guard, localmode, metrics, monitor
+from tierckpt import fallback, guard, localmode, metrics, monitor
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.drain import DrainQueue
 from tierckpt.errors import NonFiniteLossError
@@ -56,19 +56,32 @@ class SavePath:
         self._inflight: Future[None] | None = None
         self._handles: list[SaveHandle] = []
         self._saves = 0  # saves committed here: the same count on every rank
+        self._heap = fallback.heap_stager()  # where a save stages when shared memory fails
+        self._fell_back = False  # warned about a fallback already (then info)
 
     def save(self, step: int, state_dict: dict[str, Any], go_durable: bool, *, overlap: bool = False,
              check_snapshot: bool = False) -> SaveHandle:
         """Copy ``state_dict`` into a slot (or start to, with ``overlap``), then commit in the background."""
         self.wait_inflight(step)
         t0 = time.perf_counter()
+        cause: str | None = None
         try:  # objects that cannot be saved are reported here, naming the key, before any copy
             sd = guard.saveable(localmode.localize(state_dict) if self.local else resolve_stateful(state_dict), step)
+        except Exception as exc:
+            raise (err := guard.typed(exc, step=step)) from err.__cause__
+        try:
             snap = self.runtime.stager.stage(sd, copier=self._copier if overlap else None,
                                              checksums=overlap and check_snapshot, step=step)
         except Exception as exc:
-            raise (err := guard.typed(exc, step=step)) from err.__cause__
+            err = guard.typed(exc, step=step)
+            cause = fallback.memory_failure(err) if self.runtime.config.durable_url is not None else None
+            if cause is None:
+                raise err from err.__cause__
+            self._fallback_warning(step, cause, err)
+            snap = self._heap.stage(sd, step=step)  # this process's memory: the durable tier reads it
+            overlap = False
         handle = SaveHandle(step, go_durable, 0.0)
+        handle.fallback = cause
         watch = monitor.watch_save(step)  # a non-finite loss before the commit holds it back
         if overlap:
             self._pending = snap
@@ -87,7 +100,7 @@ class SavePath:
                       "started copying" if overlap else "staged", snap.nbytes, throughput(snap.nbytes, blocking))
         self._inflight = self._committer.submit(self._commit, step, snap, go_durable, handle, watch)
         self._handles = [h for h in self._handles if not h.done()] + [handle]
-        if snap.nbytes != self._reserved_for:  # a first save or a new size: start now; else after the commit
+        if cause is None and snap.nbytes != self._reserved_for:  # a first save or a new size: start now; else after the commit
             self.reserve(snap.nbytes)
         return handle
 
@@ -183,19 +196,35 @@ class SavePath:
         writer = TieredStorageWriter(self.runtime.config, step=step, durable=False, _runtime=self.runtime)
         writer._snapshot = snap  # write_data takes it (and the slot); left set, the slot is still ours
         writer._gate = watch.reason  # checked on every rank before the commit: any rank's veto holds for all
+        in_dcp = False  # a failure inside DCP's save reaches every rank: all of them can fall back
         try:
             self._staged(snap, handle)  # an overlapped copy lands (or fails) here
+            if self._can_fall_back and fallback.agree(handle.fallback is not None,
+                                                      None if self.local else self.topo.commit_group):
+                handle.fallback = handle.fallback or "other_rank"
+                self._save_durable_only(step, snap, handle, watch)
+                return
+            in_dcp = True
             self._write_memory(writer, snap)
+            in_dcp = False
             save_id = writer._plan_data.save_id if writer._plan_data is not None else None
             small = self.topo.commit_other_nodes(self.runtime, step, save_id, writer.committed)
         except BaseException as raw:
             failure = guard.typed(raw, step=step)
-            if writer._snapshot is not None:  # failed before write_data took the slot
-                self.runtime.stager.release(snap)
             if isinstance(failure, NonFiniteLossError):
+                if writer._snapshot is not None:  # failed before write_data took the slot
+                    fallback.release(self.runtime, snap)
                 self.log.warning(step, "save skipped, nothing committed: %s", failure.message)
                 handle._skip(failure.message)
                 return
+            cause = fallback.memory_failure(failure) if in_dcp and self._can_fall_back else None
+            if cause is not None:  # the copy is intact: the slot is reused by the next save only
+                self._fallback_warning(step, cause, failure)
+                handle.fallback = cause
+                self._save_durable_only(step, snap, handle, watch)
+                return
+            if writer._snapshot is not None:  # failed before write_data took the slot
+                fallback.release(self.runtime, snap)
             self.log.warning(step, "save failed: %s", failure)
             metrics.save_failed(self.runtime, handle)
             handle._fail(failure)
@@ -208,6 +237,47 @@ class SavePath:
             return
         future = self.drains.submit(step, save_id, list(writer.files_written), small)
         future.add_done_callback(lambda f: _chain(f, handle._future))
+
+
+    # -- the durable fallback (fallback.py) ---------------------------------------------
+    @property
+    def _can_fall_back(self) -> bool:
+        return self.runtime.config.durable_url is not None
+
+    def _fallback_warning(self, step: int, cause: str, err: BaseException) -> None:
+        """Warn at the first fallback of this Checkpointer (later ones log at info); count each."""
+        metrics.memory_fallback(self.runtime, cause)
+        say = self.log.info if self._fell_back else self.log.warning
+        self._fell_back = True
+        say(step, "the memory tier failed (%s: %s); this save goes straight to the durable tier (%s)",
+            cause, err, self.runtime.config.durable_url)
+
+    def _save_durable_only(self, step: int, snap: Snapshot, handle: SaveHandle, watch: monitor.SaveWatch) -> None:
+        """Every rank writes ``step`` from its copy to the durable tier in one DCP save; settle ``handle``."""
+        t0 = time.perf_counter()
+        writer = fallback.DurableWriter(self.runtime.config, step=step, durable=True, _runtime=self.runtime)
+        writer._snapshot, writer._gate, writer._commit_nodes = snap, watch.reason, False
+        self._saves += 1
+        writer._save_seq = self._saves
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp_save(snap.state_dict, storage_writer=writer, planner=DefaultSavePlanner(),
+                         process_group=None if self.local else self.topo.commit_group, no_dist=self.local)
+        except BaseException as raw:
+            if writer._snapshot is not None:
+                fallback.release(self.runtime, snap)
+            failure = guard.typed(raw, step=step)
+            if isinstance(failure, NonFiniteLossError):
+                handle._skip(failure.message)
+                return
+            self.log.warning(step, "save failed: the memory tier failed and so did the durable fallback: %s", failure)
+            metrics.save_failed(self.runtime, handle)
+            handle._fail(failure)
+            return
+        metrics.durable_committed(self.runtime, step, snap.nbytes, time.perf_counter() - t0)
+        handle._memory.set_result(None)
+        handle._future.set_result(None)
 
 
 def _chain(src: Future[None], dst: Future[None]) -> None:

@@ -24,7 +24,7 @@ import copy
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -35,7 +35,7 @@ from tierckpt._torch_compat import flatten_state_dict
 from tierckpt.errors import SnapshotChangedError, StorageError, TierckptError
 from tierckpt.layout import checksum
 from tierckpt.record import ALIGN, TensorRecord, tensor_record
-from tierckpt.staging import Slot, SlotPool
+from tierckpt.staging import Slot
 
 __all__ = ["Snapshot", "Stager", "resolve_stateful"]
 
@@ -109,10 +109,18 @@ class Snapshot:
                 )
 
 
+class Pool(Protocol):
+    """Where a Stager takes its slots: a ``SlotPool`` (shared memory) or ``fallback.HeapPool``."""
+
+    def acquire(self, nbytes: int) -> Slot: ...
+
+    def release(self, slot: Slot) -> None: ...
+
+
 class Stager:
     """Copies state dicts into slots from ``pool``; caches the layout per structure."""
 
-    def __init__(self, pool: SlotPool) -> None:
+    def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self._layout_key: tuple[Any, ...] | None = None
         self._layout: tuple[dict[str, int], dict[str, TensorRecord], int] | None = None

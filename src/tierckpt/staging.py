@@ -29,6 +29,7 @@ import torch
 
 from tierckpt import layout
 from tierckpt.errors import MemoryBudgetError, StorageError
+from tierckpt.nodebudget import NodeBudget, no_room_error
 from tierckpt.tiers.local import pid_alive
 
 __all__ = ["Slot", "SlotPool"]
@@ -84,7 +85,11 @@ class Slot:
 
 
 class SlotPool:
-    """The slots of one rank. ``evict`` frees memory by deleting an old step (True if it did)."""
+    """The slots of one rank. ``evict(nbytes)`` frees memory by deleting an old step (True if it did).
+
+    Two caps apply: ``budget_bytes`` (this rank's slots) and ``node`` (everything the node's
+    memory root holds, every rank's slots included), checked before a slot grows or is made.
+    """
 
     def __init__(
         self,
@@ -92,9 +97,10 @@ class SlotPool:
         rank: int,
         *,
         budget_bytes: int | None,
-        evict: Callable[[], bool],
+        evict: Callable[[int], bool],
         gc: Callable[[], object],
         steps_retained: int = 1,
+        node: NodeBudget | None = None,
     ) -> None:
         self.dir = ns_dir / layout.SLOTS / f"rank_{rank}"
         self.rank = rank
@@ -102,6 +108,7 @@ class SlotPool:
         self.steps_retained = steps_retained
         self._evict = evict
         self._gc = gc
+        self.node = node  # the node-wide cap over the whole memory root (None: none)
         self._slots: dict[str, Slot] = {}
         self._reserved: set[str] = set()
         self._pending = 0  # bytes that reserve() is allocating now (count against the budget)
@@ -132,34 +139,49 @@ class SlotPool:
                 f"{self.steps_retained} steps without evicting)",
                 tier="memory", rank=self.rank,
             )
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for attempt in range(3):
-            slot = self._find_free(nbytes)
-            if slot is not None:
-                break
-            if self._fits(nbytes):
-                slot = self._new_slot()
-                break
-            if attempt == 0:
-                self._gc()
-            while not self._fits(nbytes) and self._find_free(nbytes) is None and self._evict():
-                pass
-        else:
-            slot = self._await_release(nbytes)
-        if slot is None:
-            held = sum(s.size for s in self._scan().values())
-            st = os.statvfs(self.dir)
+        node_limit = self.node.limit() if self.node is not None else None
+        if node_limit is not None and nbytes > node_limit:
             raise MemoryBudgetError(
-                f"rank {self.rank} needs {_mib(nbytes)} for a new slot but its slots already "
-                f"hold {_mib(held)} (budget {_mib(self.budget_bytes) if self.budget_bytes else 'none'}, "
-                f"{_mib(st.f_bavail * st.f_frsize)} free in {self.dir.parent.parent.parent}) and no "
-                f"older step can be evicted; raise memory_budget_bytes to at least {held + nbytes} "
-                "or free space in the memory tier's file system",
+                f"one step of rank {self.rank} needs {_mib(nbytes)} of shared memory, but the node's memory "
+                f"budget is {_mib(node_limit)}; raise node_memory_budget (or the agent's --memory-budget) "
+                f"to at least {2 * nbytes} per local rank",
                 tier="memory", rank=self.rank,
             )
-        self._resize(slot, nbytes)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        slot: Slot | None = None
+        with self._node_lock():
+            for attempt in range(3):
+                slot = self._find_free(nbytes)
+                if slot is not None:
+                    break
+                if self._fits(nbytes):
+                    slot = self._new_slot()
+                    break
+                if attempt == 0:
+                    self._gc()
+                while not self._fits(nbytes) and self._find_free(nbytes) is None and self._evict(nbytes):
+                    pass
+            if slot is not None:
+                self._resize(slot, nbytes)  # under the node lock: the next rank sees these bytes
+        if slot is None:
+            slot = self._await_release(nbytes)
+            if slot is None:
+                raise self._no_room(nbytes)
+            self._resize(slot, nbytes)
         self._reserved.add(slot.path.name)
         return slot
+
+    def _node_lock(self) -> contextlib.AbstractContextManager[None]:
+        if self.node is None or self.node.limit() is None:
+            return contextlib.nullcontext()
+        return self.node.lock()
+
+    def _no_room(self, nbytes: int) -> StorageError | MemoryBudgetError:
+        """The error of a slot that nothing can make room for: a budget's, or a full file system's."""
+        st = os.statvfs(self.dir)
+        return no_room_error(nbytes, rank=self.rank, held=sum(s.size for s in self._scan().values()),
+                             free=st.f_bavail * st.f_frsize, where=self.dir.parent.parent.parent,
+                             budget_bytes=self.budget_bytes, node=self.node)
 
     def _await_release(self, nbytes: int) -> Slot | None:
         """Wait for a slot that something other than the newest step holds to come free.
@@ -180,7 +202,7 @@ class SlotPool:
                              "release a slot (%d held)", self.rank, len(busy))
                 warned = True
             self._cond.wait(0.005)  # called under the lock: let release() and reserve() run meanwhile
-            self._evict()  # a commit that just landed may have made an older step evictable
+            self._evict(nbytes)  # a commit that just landed may have made an older step evictable
             slot = self._find_free(nbytes)
             if slot is None and self._fits(nbytes):
                 slot = self._new_slot()
@@ -234,13 +256,18 @@ class SlotPool:
     def _next_to_reserve(self, nbytes: int, count: int) -> tuple[Slot | None, int]:
         """(a free slot of another size to resize, or None for a new one; extra bytes); -1: nothing."""
         slots = self._scan()
+        headroom = 0
+        if self.node is not None and self.node.limit() is not None:
+            # the node's other ranks allocate from the same budget: hold one spare slot at most,
+            # and leave room for one more slot of theirs, so that no rank's reserve starves another
+            count, headroom = min(count, 2), nbytes
         if sum(1 for s in slots.values() if s.size == nbytes) >= count:
             return None, -1
         for name, slot in slots.items():
             if name not in self._reserved and slot.size != nbytes and slot.links() == 1:
                 extra = max(0, nbytes - slot.size)
-                return (slot, extra) if self._fits(extra) else (None, -1)
-        if len(slots) < count and self._fits(nbytes):
+                return (slot, extra) if self._fits(extra + headroom) else (None, -1)
+        if len(slots) < count and self._fits(nbytes + headroom):
             return None, nbytes
         return None, -1
 
@@ -350,6 +377,8 @@ class SlotPool:
 
     def _fits(self, extra: int) -> bool:
         if self.budget_bytes is not None and self.held_bytes() + extra > self.budget_bytes:
+            return False
+        if extra > 0 and self.node is not None and not self.node.fits(extra):
             return False
         st = os.statvfs(self.dir)
         return st.f_bavail * st.f_frsize >= extra

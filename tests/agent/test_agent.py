@@ -118,25 +118,36 @@ def test_corrupted_replica_is_skipped_for_another_holder_then_durable(node_dir, 
     assert step == 4 and "durable" in tiers and _equal(sd, _state(4))
 
 
-def _open_put(address: tuple[str, int], node: str, announced: int) -> PeerClient:
+def _open_put(address: tuple[str, int], node: str, announced: int) -> tuple[PeerClient, dict]:
+    """A put announced (the sender's first frame); the client and the peer's answer (ready, or why not)."""
     client = PeerClient.connect(address, node, SECRET)
-    client.send({"op": "put", "ns": NS, "origin": node, "step": 9, "save_id": "abc123",
+    client.send({"op": "put", "ns": NS, "origin": node, "step": 9, "save_id": "abc123", "owner": "ab" * 32,
                  "files": [["__0_0.distcp", announced], [".metadata", 10], ["manifest.json", 10], ["COMMITTED", 10]]})
-    return client
+    return client, client.recv()
 
 
 def test_interrupted_transfer_leaves_no_replica_and_the_agent_keeps_serving(node_dir, agent) -> None:
     b_dir = node_dir("b")
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
-    client = _open_put(b.address, "node-x", 4 << 20)
-    client.sock.sendall(b"\0" * (1 << 20))  # a quarter of the data file, then the sender dies
+    client, ready = _open_put(b.address, "node-x", 4 << 20)
+    assert ready["op"] == "ready"
+    client.send_bytes(b"\0" * (1 << 20))  # a quarter of the data file, then the sender dies
     client.close()
     staging = Path(b_dir, layout.REPLICAS, "node-x", NS, layout.STAGING)
     wait_for(lambda: not any(staging.glob("*")), "the partial transfer's staging directory to be removed")
     assert _replica_steps(b_dir, "node-x") == []
     # a complete transfer of garbage fails verification and leaves nothing either
-    client = _open_put(b.address, "node-x", 100)
-    client.sock.sendall(b"\1" * 130)
+    def ready_put() -> PeerClient | None:  # once the dead transfer's put is no longer in flight
+        client, ready = _open_put(b.address, "node-x", 100)
+        if ready["op"] == "ready":
+            return client
+        client.close()
+        return None
+
+    client = wait_for(ready_put, "a new put of step 9 to be accepted")
+    client.send_bytes(b"\1" * 100)
+    for _ in range(3):
+        client.send_bytes(b"\1" * 10)
     reply = client.recv()
     assert reply["op"] == "error" and "rejected" in reply["message"]
     client.close()
@@ -217,8 +228,7 @@ def test_node_budget_evicts_replicas_never_own_steps(node_dir, agent) -> None:
     assert reply["ok"] is False and reply["budget_bytes"] == used - 1
     assert [s.step for s in store.own(NS).list_steps()] == [5, 6]
     # a replica that cannot fit is refused, and nothing of it stays
-    client = _open_put(small.address, "node-x", used)
-    reply = client.recv()
+    client, reply = _open_put(small.address, "node-x", used)
     client.close()
     assert reply["op"] == "error" and "node budget" in reply["message"]
     assert _replica_steps(b_dir, "node-x") == []

@@ -123,9 +123,10 @@ def test_agent_killed_mid_transfer_leaves_no_replica(node_dir) -> None:
     try:
         _ready(proc)
         client = PeerClient.connect(("127.0.0.1", port), "node-s", SECRET.encode())
-        client.send({"op": "put", "ns": NS, "origin": "node-s", "step": 5, "save_id": "abc",
-                     "files": [["__0_0.distcp", 64 << 20], [".metadata", 1], ["manifest.json", 1], ["COMMITTED", 1]]})
-        client.sock.sendall(b"\0" * (8 << 20))
+        assert client.call({"op": "put", "ns": NS, "origin": "node-s", "step": 5, "save_id": "abc",
+                            "files": [["__0_0.distcp", 64 << 20], [".metadata", 1], ["manifest.json", 1],
+                                      ["COMMITTED", 1]], "owner": "ab" * 32})["op"] == "ready"
+        client.send_bytes(b"\0" * (8 << 20))
         staging = Path(d, layout.REPLICAS, "node-s", NS, layout.STAGING)
         wait_for(lambda: any(staging.glob("*/__0_0.distcp")), "the transfer to be under way")
         proc.send_signal(signal.SIGKILL)

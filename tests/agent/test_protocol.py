@@ -56,16 +56,19 @@ def test_valid_requests_parse() -> None:
     got = p.parse_request({"op": "get", "ns": "run-1", "origin": "host-ab12", "step": 7, "name": "__3_0.distcp"})
     assert got == p.Get("run-1", "host-ab12", 7, "__3_0.distcp")
     put = p.parse_request({"op": "put", "ns": "r", "origin": "n", "step": 2, "save_id": "abc",
-                           "files": [["__0_0.distcp", 10], [".metadata", 3]], "keep": [1, 2]})
+                           "files": [["__0_0.distcp", 10], [".metadata", 3]], "keep": [1, 2], "owner": "ab" * 32})
     assert isinstance(put, p.Put) and put.nbytes == 13 and put.keep == frozenset({1, 2})
 
 
 def test_macs_bind_both_nonces_and_the_secret() -> None:
     a, b = "ab" * 32, "cd" * 32
-    assert p.client_mac(b"s", a, b) != p.client_mac(b"t", a, b)
-    assert p.client_mac(b"s", a, b) != p.server_mac(b"s", a, b)
+    assert p.client_mac(b"s", a, b, "n1", "n2") != p.client_mac(b"t", a, b, "n1", "n2")
+    assert p.client_mac(b"s", a, b, "n1", "n2") != p.server_mac(b"s", a, b, "n1", "n2")
+    assert p.client_mac(b"s", a, b, "n1", "n2") != p.client_mac(b"s", a, b, "n1", "n3")  # the node ids count
+    assert p.client_mac(b"s", a, b, "n1", "n2") != p.client_mac(b"s", b, a, "n1", "n2")
+    assert p.session_keys(b"s", a, b, "n1", "n2") != p.session_keys(b"s", a, b, "n1", "n3")
     with pytest.raises(p.ProtocolViolation, match="authentication"):
-        p.check_mac(p.client_mac(b"s", a, b), p.client_mac(b"t", a, b))
+        p.check_mac(p.client_mac(b"s", a, b, "n1", "n2"), p.client_mac(b"t", a, b, "n1", "n2"))
 
 
 def test_ring_gives_every_node_k_other_holders() -> None:

@@ -68,6 +68,30 @@ def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_nan_and_lost_node_round(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One round of the nan and lostnode scenarios: after the NaN every rank resumes a step older than
+    the NaN step; after the host loss the job resumes from the lost node's replica, not from step 0."""
+    out, logs = tmp_path / "recovery.json", tmp_path / "logs"
+    rc = recovery.main(["--rounds", "1", "--scenarios", "nan,lostnode", "--shm-dir", str(shm_root),
+                        "--logs", str(logs), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    doc = json.loads(out.read_text())
+    runs = {(r["scenario"], r["launcher"]): r for r in doc["runs"]}
+    nan = runs["nan", "warm"]
+    assert nan["value_s"] > 0 and nan["resumed_before_fault"], nan
+    assert max(nan["resumed_step"].values()) == nan["fault_step"] - 1, nan  # nothing older than needed
+    lost = runs["lostnode", "warm"]
+    assert lost["value_s"] > 0 and set(lost["resumed_step"].values()) != {None}, lost
+    assert min(lost["resumed_step"].values()) >= min(lost["step_before"].values()) - 2, lost
+    assert runs["nan", "torchrun"]["value_s"] > 0 and runs["lostnode", "torchrun"]["value_s"] > 0
+    assert [g["pass"] for g in doc["goals"] if "NaN" in g["name"]] == [True]
+    assert list(shm_root.iterdir()) == [], "the run left memory tiers behind"
+    assert _processes_naming(str(logs)) == [], "the run left launchers or workers running"
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_compiled_nan_in_process(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--compile``: the in-process column of a NaN, with its stages; the process stayed."""

@@ -19,7 +19,7 @@ COMMAND_ARGS = {  # each command's --help must explain these
     "show": ["STEP", "--json"],
     "verify": ["STEP"],
     "promote": ["STEP"],
-    "export": ["STEP", "--to", "--format", "--prefix", "--max-shard-size"],
+    "export": ["STEP", "--to", "--format", "--prefix", "--max-shard-size", "--config"],
     "gc": ["--yes", "--min-age"],
     "demo": ["--steps", "--workdir"],
     "bench": ["SUITE", *SUITES],

@@ -78,6 +78,7 @@ def test_srun_runs_one_tierckpt_run_per_node(tmp_path: Path) -> None:
         assert (a.nnodes, a.nproc_per_node, a.rdzv_backend) == ("2", "8", "c10d")
         assert a.rdzv_endpoint == "gpu-a:29400" and a.rdzv_id == "4242"
         assert a.namespace == "llama" and a.memory_dir == "/dev/shm/tierckpt"
+        assert a.max_restarts == 10  # in-place restarts: torchrun's default (0) would end the job at the first crash
         assert a.durable_url == "s3://b/ckpt" and a.job == "/etc/job.yaml"
         assert a.events == f"{tmp_path}/tierckpt-logs/4242/events-{node}.jsonl"
         assert a.replicas == 1 and a.agent_listen == "0.0.0.0:7601" and a.peers == "gpu-a:7601,gpu-b:7601"

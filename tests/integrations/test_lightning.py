@@ -73,22 +73,23 @@ def test_killed_trainer_resumes_bitwise_and_async_saves_match(shm_root: Path, tm
     _assert_same_state(state, reference)
 
 
-def test_step_names_and_fresh_start(shm_root: Path) -> None:
+def test_step_names_and_fresh_start(shm_root: Path, tmp_path: Path) -> None:
     from tierckpt.errors import CheckpointNotFoundError, ConfigError
     from tierckpt.integrations.lightning import LATEST, TierckptCheckpointIO
 
     io = TierckptCheckpointIO(CheckpointConfig(namespace="names", memory_dir=str(shm_root)))
     assert io.resume_path() is None
     assert io.step_for("/x/epoch=1-step=40.ckpt") == 40 and io.step_for("run/step_7") == 7
-    assert io.step_for(LATEST) is None
-    with pytest.raises(ConfigError, match="names no step"):
-        io.step_for("/x/last.ckpt")
+    assert io.step_for(LATEST) is None and io.step_for("/x/last.ckpt") is None  # "last": the newest step
+    with pytest.raises(ConfigError, match="names no step.*'last'"):
+        io.step_for("/x/model.ckpt")
     with pytest.raises(CheckpointNotFoundError):
         io.load_checkpoint(LATEST)
     weights = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
-    io.save_checkpoint({"global_step": 3, "epoch": 0, "state_dict": weights, "optimizer_states": []}, "/x/last.ckpt")
-    assert io.resume_path() == LATEST and io.step_for("/x/last.ckpt") == 3
-    back = io.load_checkpoint("/x/last.ckpt")
+    last = str(tmp_path / "last.ckpt")
+    io.save_checkpoint({"global_step": 3, "epoch": 0, "state_dict": weights, "optimizer_states": []}, last)
+    assert io.resume_path() == LATEST and io.step_for(tmp_path / "epoch=0-step=3.ckpt") == 3
+    back = io.load_checkpoint(last)
     assert torch.equal(back["state_dict"]["w"], weights["w"]) and back["optimizer_states"] == []
 
 

@@ -140,3 +140,35 @@ def _assert_equal(a: Any, b: Any, where: str = "") -> None:
             _assert_equal(a[key], b[key], f"{where}.{key}")
     else:
         assert a == b, where
+
+
+def test_adapter_saves_and_loads_report_tierckpt_metrics(shm_root: Path, tmp_path: Path) -> None:
+    import tierckpt
+    import tierckpt.metrics
+    from tierckpt.integrations.torchtitan import tiered_load, tiered_save
+
+    def sample(name: str, **labels: str) -> float:
+        m = tierckpt.metrics.library_metrics()
+        assert m is not None
+        for line in m.registry.render().splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    cfg = tierckpt.CheckpointConfig(namespace="titan-m", memory_dir=str(shm_root), durable_url=f"file://{tmp_path}",
+                                    durable_every_n_steps=4)
+    tierckpt.metrics.enable()
+    try:
+        tiered_save(cfg, _state(2, 0), "outputs/checkpoint/step-2")
+        tiered_save(cfg, _state(4, 0), "outputs/checkpoint/step-4")
+        assert sample("tierckpt_saves_total", namespace="titan-m", tier="memory") == 2
+        assert sample("tierckpt_saves_total", namespace="titan-m", tier="durable") == 1
+        assert sample("tierckpt_last_committed_step", namespace="titan-m", tier="durable") == 4
+        assert sample("tierckpt_save_bytes_total", namespace="titan-m", tier="durable") >= 32 * 16 * 4
+        state = _state(0, 0)
+        tiered_load(cfg, state, "outputs/checkpoint/step-2")
+        assert torch.equal(state["layers.0.weight"], _state(2, 0)["layers.0.weight"])
+        assert sample("tierckpt_loads_total", namespace="titan-m", tier="memory") == 1
+        assert sample("tierckpt_last_loaded_step", namespace="titan-m") == 2
+    finally:
+        tierckpt.metrics.disable()

@@ -48,6 +48,42 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children first found through /proc/<pid>/task/*/children)."""
+    out: list[int] = []
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except FileNotFoundError:
+            continue
+        for t in tasks:
+            try:
+                kids = [int(x) for x in Path(f"/proc/{p}/task/{t}/children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out.extend(kids)
+            todo.extend(kids)
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def alive(pid: int) -> bool:
+    """``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[-1][:1] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
 class LocalJob:
     def __init__(self, tmp: Path, shm: Callable[[str], str], *, nnodes: int = 2, train: Sequence[str] = (),
                  run_args: Sequence[str] = (), job_file: Path | None = None, durable: str | None = None,
@@ -84,8 +120,9 @@ class LocalJob:
     def events_path(self, node: int) -> Path:
         return self.tmp / f"events{node}.jsonl"
 
-    def start(self) -> None:
-        for n in range(self.nnodes):
+    def start(self, order: Sequence[int] | None = None) -> None:
+        """Start every node's agent, in ``order`` (on one host torch ranks the nodes by pid)."""
+        for n in (range(self.nnodes) if order is None else order):
             self.start_agent(n)
 
     def start_agent(self, node: int) -> None:
@@ -147,6 +184,22 @@ class LocalJob:
         """The machine is gone: SIGKILL to the agent and every worker in its session."""
         os.killpg(self.agents[node].pid, signal.SIGKILL)
         self.agents[node].wait(timeout=30)
+
+    def kill_machine(self, node: int) -> None:
+        """The machine is gone: the agent and everything it started (workers, standbys, its reaper)
+        stop at once (SIGSTOP to all, then SIGKILL to all, so none of them acts on another's death)."""
+        agent = self.agents[node].pid
+        pids = [agent, *descendants(agent)]
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        for pid in pids:
+            _signal(pid, signal.SIGKILL)
+        self.agents[node].wait(timeout=30)
+
+    def group_rank(self, node: int) -> int:
+        """The group rank this node's agent held in its newest started/restart event."""
+        ev = [e for e in self.events(node) if e["event"] in ("started", "restart")]
+        return int(ev[-1]["node"])
 
     def close(self) -> None:
         for proc in self.agents.values():

@@ -27,8 +27,9 @@ def saved_digests(job: LocalJob, rank: int, below_generation: int) -> dict[int, 
             if e["event"] == "step" and e["generation"] < below_generation}
 
 
-def assert_recovered(job: LocalJob, generation: int, reason: str) -> int:
-    """Generation ``generation`` faulted with ``reason``; ``generation + 1`` resumed correctly."""
+def assert_recovered(job: LocalJob, generation: int, reason: str, *, before: int | None = None) -> int:
+    """Generation ``generation`` faulted with ``reason``; ``generation + 1`` resumed correctly: the
+    newest step both ranks saved, or with ``before`` (a non-finite loss at that step) the step before it."""
     nxt = generation + 1
     for node in range(job.nnodes):
         ev = job.events(node)
@@ -48,7 +49,10 @@ def assert_recovered(job: LocalJob, generation: int, reason: str) -> int:
         assert resumed[r]["digest"] == saved[step], "resumed state differs from the state saved at that step"
         # the newest step both ranks saved before the fault (a save in flight may not have committed)
         newest_both = min(max(saved_digests(job, q, nxt)) for q in RANKS)
-        assert step in (newest_both, newest_both - 1), (step, newest_both)
+        if before is not None:  # nothing the NaN may have reached (a commit in flight may not have landed)
+            assert step in (before - 1, before - 2), (step, before)
+        else:
+            assert step in (newest_both, newest_both - 1), (step, newest_both)
     # every worker of the faulty generation was stopped: their pids are gone
     for e in job.events():
         if e["event"] == "started" and e["generation"] == generation:
@@ -98,7 +102,7 @@ def test_nan_loss_through_monitor_step(make_job: Callable[..., LocalJob]) -> Non
     job = make_job(train=["--steps", "30", "--fault", "nan", "--fault-step", "8"])
     job.start()
     assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
-    assert_recovered(job, 0, "NonFiniteLoss")
+    assert_recovered(job, 0, "NonFiniteLoss", before=8)
     fault = next(e for e in job.events(1) if e["event"] == "fault")
     assert fault["rank"] == 1 and fault["step"] == 8
 
@@ -131,7 +135,7 @@ def test_nan_loss_through_a_log_rule(make_job: Callable[..., LocalJob], tmp_path
     assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
     reasons = {e["reason"] for e in job.events() if e["event"] == "fault" and e["generation"] == 0}
     assert len(reasons) == 1 and reasons <= {"LogFault_NaNLoss", "NonFiniteLoss"}, reasons
-    assert_recovered(job, 0, reasons.pop())
+    assert_recovered(job, 0, reasons.pop(), before=8)  # saves after the NaN beat were held back
 
 
 def test_silent_loss_trips_the_recurring_rule(make_job: Callable[..., LocalJob], tmp_path: Path) -> None:
@@ -176,7 +180,8 @@ def test_agent_killed_is_a_lost_node_then_replaced(make_job: Callable[..., Local
     gen = max(e["generation"] for e in job.trace(0))
     assert gen >= 1
     resumed = {r: job.resumed(r, gen) for r in RANKS}
-    assert all(v is not None and v["step"] is not None and v["step"] >= 8 for v in resumed.values()), resumed
+    # killed right after step 8: its save may not have committed (the reaper stops the worker at once)
+    assert all(v is not None and v["step"] is not None and v["step"] >= 7 for v in resumed.values()), resumed
     assert resumed[0]["step"] == resumed[1]["step"]
     assert job.last_step(0, generation=gen) == 60
 
@@ -248,7 +253,8 @@ def test_hosted_agents_replicate_and_a_lost_node_resumes_from_its_peer(make_job:
     assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
     gen = max(e["generation"] for e in job.trace(0))
     resumed = {r: job.resumed(r, gen) for r in RANKS}
-    assert all(v is not None and v["step"] is not None and v["step"] >= 8 for v in resumed.values()), resumed
+    # killed right after step 8: its save may not have committed (the reaper stops the worker at once)
+    assert all(v is not None and v["step"] is not None and v["step"] >= 7 for v in resumed.values()), resumed
     assert resumed[0]["step"] == resumed[1]["step"]
     assert "peer" in (resumed[0]["tiers"] or []) + (resumed[1]["tiers"] or []), resumed
     step = resumed[0]["step"]

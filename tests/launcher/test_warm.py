@@ -85,3 +85,39 @@ def test_no_warm_starts_cold(make_job: Callable[..., LocalJob]) -> None:
         assert [e["warm"] for e in job.trace(r) if e["event"] == "start"] == [False, False]
     assert not [e for e in job.events() if e["event"] == "standby"]
     assert all(e["warm"] == [] for e in job.events() if e["event"] in ("started", "restart"))
+
+
+def _first_step_time(job: LocalJob, generation: int) -> float | None:
+    """When both ranks finished their first step of ``generation`` (None: not yet)."""
+    times = []
+    for r in RANKS:
+        steps = [e["time"] for e in job.trace(r) if e["event"] == "step" and e["generation"] == generation]
+        if not steps:
+            return None
+        times.append(min(steps))
+    return max(times)
+
+
+def test_a_second_fault_right_after_a_restart_is_warm(make_job: Callable[..., LocalJob]) -> None:
+    """Two SIGKILLs ~1 s apart: the replacements of the first restart are still importing, so
+    the second restart is served by the spares (ready before the first kill)."""
+    job = make_job(train=["--steps", "250"])
+    job.start()
+    job.wait_for(lambda: all(len([e for e in job.events(n) if e["event"] == "standby" and "ready" in e]) >= 2
+                             for n in range(2)), 120, "every agent has its standbys and spares ready")
+    job.wait_for(lambda: job.last_step(1) >= 5, 90, "rank 1 reaches step 5")
+    t_kill1 = time.time()
+    os.kill(job.worker_pid(1), signal.SIGKILL)
+    job.wait_for(lambda: _first_step_time(job, 1), 60, "both ranks step in generation 1")
+    time.sleep(max(0.0, t_kill1 + 1.0 - time.time()))  # the second fault: ~1 s after the first
+    t_kill2 = time.time()
+    os.kill(job.worker_pid(1), signal.SIGKILL)
+    first = job.wait_for(lambda: _first_step_time(job, 2), 60, "both ranks step in generation 2")
+    assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
+    for r in RANKS:
+        start = _starts(job, r, 2)
+        assert len(start) == 1 and start[0]["warm"] is True, (r, start)
+        assert start[0]["warm_since"] < t_kill1, (r, start[0], t_kill1)  # a spare, ready before the faults
+    print(f"second fault, {t_kill2 - t_kill1:.2f}s after the first: both ranks step again "
+          f"{first - t_kill2:.2f}s after the kill")
+    assert first - t_kill2 < 3.0  # warm: 1.49 s at load average 8.8 on 2 cores; a cold start is ~3 s idle

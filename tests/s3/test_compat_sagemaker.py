@@ -204,10 +204,19 @@ def test_step_from_argument_or_path(path: str, step: int, expected: int) -> None
     assert parse_step(path, step) == expected
 
 
-@pytest.mark.parametrize("path, step", [("", -1), ("step_7.pt", -1), ("no/step/here", -1), ("", -5)])
+@pytest.mark.parametrize("path, step", [("step_7.pt", -1), ("", -5)])
 def test_invalid_step_has_the_seed_message(path: str, step: int) -> None:
     with pytest.raises(SageMakerTieredStorageError, match=r"^Invalid step value, step:-?\d+\. path:"):
         SageMakerTieredStorageWriter(cfg(), path=path, step=step)
+
+
+@pytest.mark.parametrize("path", ["", "no/step/here"])
+def test_no_step_yet_waits_for_checkpoint_id(path: str) -> None:
+    writer = SageMakerTieredStorageWriter(cfg(), path=path)  # the seed's docs: the step comes with dcp.save
+    with pytest.raises(SageMakerTieredStorageError, match=r"^Invalid step value, step:-1\. path:"):
+        _ = writer.step
+    writer.reset("ckpts/step_12")
+    assert writer.step == 12
 
 
 def test_step_is_checked_before_the_config() -> None:

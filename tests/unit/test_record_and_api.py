@@ -72,7 +72,7 @@ def test_config_fields_are_frozen() -> None:
 
     assert [f.name for f in dataclasses.fields(tierckpt.CheckpointConfig)] == [
         "namespace", "memory_dir", "durable_url", "memory_steps_retained", "durable_every_n_steps",
-        "durable_steps_retained", "memory_budget_bytes", "io_threads", "local_mode", "s3", "logger",
+        "durable_steps_retained", "memory_budget_bytes", "node_memory_budget", "io_threads", "local_mode", "s3", "logger",
         "trusted", "allowed_classes", "resume_before",
     ]
 

@@ -1,7 +1,8 @@
-"""Blocking I/O around the sans-IO protocol: a framed connection, and the client side of a peer.
+"""The client side of a peer connection, over ``wire.Connection``.
 
-Call order (client): ``PeerClient.connect(addr, node_id, secret)`` (hello → auth → welcome) →
-``list`` / ``get_into`` / ``put`` / ``status``, one at a time → ``close``.
+Call order: ``PeerClient.connect(addr, node_id, secret)`` (hello → auth → welcome, the server's
+MAC checked → proof; then every frame tagged) → ``list`` / ``get_into`` / ``put`` / ``status``,
+one at a time → ``close``. ``connect``'s ``timeout`` bounds the whole handshake.
 """
 
 from __future__ import annotations
@@ -9,74 +10,28 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tierckpt.agent import protocol as p
-from tierckpt.agent.transfer import StreamCheck, TransferClosed, receive_into_file
-from tierckpt.errors import IntegrityError
+from tierckpt.agent.transfer import StreamCheck
+from tierckpt.agent.wire import Connection, DigestCache
+from tierckpt.errors import IntegrityError, TierckptError
 
-__all__ = ["Connection", "PeerClient", "PeerError"]
+__all__ = ["Connection", "PeerClient", "PeerError", "ask_all"]  # Connection: from wire
+
+T = TypeVar("T")
 
 
-class PeerError(Exception):
+class PeerError(TierckptError):
     """The peer answered with an error, or the connection failed (the message says which)."""
 
 
-class Connection:
-    """One framed socket; every read has the socket's timeout."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.sock.sendall(p.encode(message))
-
-    def recv(self) -> dict[str, Any]:
-        length = p.parse_header(self._exact(p.HEADER.size))
-        return p.decode_body(self._exact(length))
-
-    def _exact(self, n: int) -> bytes:
-        buf = bytearray(n)
-        view = memoryview(buf)
-        got = 0
-        while got < n:
-            k = self.sock.recv_into(view[got:])
-            if k == 0:
-                raise p.ProtocolViolation(f"connection closed after {got} of {n} bytes")
-            got += k
-        return bytes(buf)
-
-    def recv_into_file(self, fd: int, size: int, check: StreamCheck | None = None, *, at: int | None = None) -> None:
-        """Receive exactly ``size`` raw bytes into an open file (at its position, or at offset ``at``),
-        checking items on the way if asked."""
-        try:
-            receive_into_file(self.sock, fd, size, check, at=at)
-        except TransferClosed as exc:
-            raise p.ProtocolViolation(str(exc)) from None
-
-    def send_file(self, path: Path, size: int, offset: int = 0, length: int | None = None) -> None:
-        """Send ``length`` bytes (default: all) of ``path``, ``size`` bytes long, from ``offset``,
-        with sendfile (no copy through user space)."""
-        count = size - offset if length is None else length
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size != size:
-                raise PeerError(f"{path} changed size while being sent")
-            # socket.sendfile: os.sendfile under the hood, waiting for room within the socket's timeout
-            sent = self.sock.sendfile(f, offset, count) if count else 0
-            if sent != count:
-                raise PeerError(f"short send of {path}: {sent} of {count} bytes")
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-
 class PeerClient(Connection):
-    """An authenticated connection to another agent; ``node`` is the id it reported."""
+    """An authenticated connection to another agent; ``node`` is the id it proved."""
 
     def __init__(self, sock: socket.socket, node: str) -> None:
         super().__init__(sock)
@@ -84,33 +39,42 @@ class PeerClient(Connection):
 
     @classmethod
     def connect(cls, address: tuple[str, int], node_id: str, secret: bytes | None, *,
-                timeout: float = 30.0) -> PeerClient:
+                timeout: float = 30.0, source: tuple[str, int] | None = None) -> PeerClient:
         try:
-            sock = socket.create_connection(address, timeout=timeout)
+            sock = socket.create_connection(address, timeout=timeout, source_address=source)
         except OSError as exc:
             raise PeerError(f"cannot connect to agent {address[0]}:{address[1]}: {exc}") from exc
-        conn = Connection(sock)
+        client = cls(sock, "")
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            hello = conn.recv()
-            if hello.get("op") != "hello":
-                raise p.ProtocolViolation("expected hello")
-            server_node = p.validate_node_id(hello.get("node"))
-            server_nonce = p.validate_nonce(hello.get("nonce"))
-            mine = secrets.token_hex(32)
-            key = secret or b""
-            conn.send({"op": "auth", "node": node_id, "nonce": mine, "mac": p.client_mac(key, server_nonce, mine)})
-            welcome = conn.recv()
-            if welcome.get("op") != "welcome":
-                raise PeerError(f"agent {address[0]}:{address[1]} refused us: {welcome.get('message', welcome.get('op'))}")
-            p.check_mac(p.server_mac(key, mine, server_nonce), welcome.get("mac"))
+            client.set_deadline(timeout)
+            client.node = client._handshake(node_id, secret or b"")
+            client.set_deadline(None)
         except (OSError, p.ProtocolViolation) as exc:
-            conn.close()
+            client.close()
             raise PeerError(f"handshake with agent {address[0]}:{address[1]} failed: {exc}") from exc
         except PeerError:
-            conn.close()
+            client.close()
             raise
-        return cls(sock, server_node)
+        return client
+
+    def _handshake(self, node_id: str, key: bytes) -> str:
+        hello = self.recv()
+        if hello.get("op") != "hello":
+            raise PeerError(f"agent refused us: {hello.get('message', hello.get('op'))}")
+        server_node = p.validate_node_id(hello.get("node"))
+        server_nonce = p.validate_nonce(hello.get("nonce"))
+        mine = secrets.token_hex(32)
+        self.send({"op": "auth", "node": node_id, "nonce": mine})
+        welcome = self.recv()
+        if welcome.get("op") != "welcome":
+            raise PeerError(f"agent {server_node} refused us: {welcome.get('message', welcome.get('op'))}")
+        ids = (server_nonce, mine, server_node, node_id)
+        p.check_mac(p.server_mac(key, *ids), welcome.get("mac"))  # the server proves itself first
+        self.send({"op": "proof", "mac": p.client_mac(key, *ids)})
+        to_client, to_server = p.session_keys(key, *ids)
+        self.start_session(to_server, to_client)
+        return server_node
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
         self.send(message)
@@ -119,9 +83,34 @@ class PeerClient(Connection):
             raise PeerError(f"agent {self.node}: {reply.get('message')}")
         return reply
 
+    def list_entries(self, namespace: str, *, max_frames: int = 64) -> tuple[list[p.ListingEntry], int]:
+        """The peer's listing of ``namespace``, pieces merged: (valid entries, entries dropped as invalid)."""
+        self.send({"op": "list", "ns": namespace})
+        merged: dict[tuple[int, str, str], p.ListingEntry] = {}
+        bad = 0
+        for _ in range(max_frames):
+            reply = self.recv()
+            if reply.get("op") == "error":
+                raise PeerError(f"agent {self.node}: {reply.get('message')}")
+            steps = reply.get("steps")
+            for raw in steps if isinstance(steps, list) else []:
+                try:
+                    e = p.parse_listing_entry(raw)
+                except p.ProtocolViolation:
+                    bad += 1
+                    continue
+                key = (e.step, e.origin, e.save_id)
+                old = merged.get(key)
+                merged[key] = e if old is None else p.ListingEntry(
+                    e.step, e.origin, e.save_id, {**old.held, **e.held}, old.all_files + e.all_files)
+            if not reply.get("more"):
+                return list(merged.values()), bad
+        raise p.ProtocolViolation(f"agent {self.node} sent a listing of more than {max_frames} frames")
+
     def list(self, namespace: str) -> list[dict[str, Any]]:
-        steps = self.call({"op": "list", "ns": namespace}).get("steps", [])
-        return steps if isinstance(steps, list) else []
+        entries, _ = self.list_entries(namespace)
+        return [{"step": e.step, "origin": e.origin, "save_id": e.save_id, "held": e.held, "all": list(e.all_files)}
+                for e in entries]
 
     def get_into(self, namespace: str, origin: str, step: int, name: str, dest: Path, *,
                  max_size: int = p.MAX_FILE, expect_size: int | None = None,
@@ -137,7 +126,7 @@ class PeerClient(Connection):
             raise p.ProtocolViolation(f"bad size {size!r} for {name}")
         if expect_size is not None and size != expect_size:
             raise IntegrityError(f"agent {self.node} holds {name} with {size} bytes, the manifest says {expect_size}")
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
             self.recv_into_file(fd, size, check)
         finally:
@@ -154,16 +143,56 @@ class PeerClient(Connection):
         self.recv_into_file(fd, length, check, at=offset)
 
     def put(self, namespace: str, origin: str, step: int, save_id: str, files: Sequence[tuple[str, Path | bytes]],
-            keep: Sequence[int]) -> None:
-        """Send a step's files (paths go by sendfile, bytes as they are); returns once stored."""
+            keep: Sequence[int], owner: str, digests: DigestCache | None = None) -> None:
+        """Send a step's files (paths mapped and sent with sendfile, bytes as they are); returns once
+        stored, or when the peer already holds this save."""
         sizes = [(n, src.stat().st_size if isinstance(src, Path) else len(src)) for n, src in files]
-        self.send({"op": "put", "ns": namespace, "origin": origin, "step": step, "save_id": save_id,
-                   "files": [[n, s] for n, s in sizes], "keep": list(keep)})
+        reply = self.call({"op": "put", "ns": namespace, "origin": origin, "step": step, "save_id": save_id,
+                           "files": [[n, s] for n, s in sizes], "keep": list(keep), "owner": owner})
+        if reply.get("op") == "held":
+            return
+        if reply.get("op") != "ready":
+            raise PeerError(f"agent {self.node} did not accept step {step}: {reply.get('op')}")
         for (_, src), (_, size) in zip(files, sizes, strict=True):
             if isinstance(src, Path):
-                self.send_file(src, size)
+                fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    if os.fstat(fd).st_size != size:
+                        raise PeerError(f"{src} changed size while being sent")
+                    self.send_fd(fd, 0, size, digests=digests)
+                finally:
+                    os.close(fd)
             else:
-                self.sock.sendall(src)
+                self.send_bytes(src)
         reply = self.recv()
         if reply.get("op") != "stored":
             raise PeerError(f"agent {self.node} did not store step {step}: {reply.get('message')}")
+
+
+def ask_all(addresses: Sequence[tuple[str, int]], ask: Callable[[tuple[str, int]], T], deadline_s: float
+            ) -> dict[tuple[str, int], T]:
+    """``ask(address)`` for every peer at once, each in its own daemon thread; the answers that came
+    within ``deadline_s`` (a peer that failed or is still stuck is left out, and delays nobody).
+
+    ``ask`` must bound its own I/O (connect with ``timeout``, ``set_deadline``) so a stuck
+    peer's thread ends soon after the deadline instead of piling up.
+    """
+    answers: dict[tuple[str, int], T] = {}
+    lock = threading.Lock()
+
+    def one(addr: tuple[str, int]) -> None:
+        try:
+            value = ask(addr)
+        except (PeerError, p.ProtocolViolation, OSError):
+            return
+        with lock:
+            answers[addr] = value
+
+    threads = [threading.Thread(target=one, args=(a,), name="tierckpt-agent-ask", daemon=True) for a in addresses]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + deadline_s
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    with lock:
+        return dict(answers)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import re
 import socket
@@ -12,7 +13,7 @@ from pathlib import Path
 from tierckpt.config import DEFAULT_MEMORY_DIR, DurableLocation
 from tierckpt.errors import ConfigError
 
-__all__ = ["AgentConfig", "default_node_id", "parse_address", "parse_budget", "read_secret"]
+__all__ = ["AgentConfig", "AgentLimits", "default_node_id", "parse_address", "parse_budget", "read_secret"]
 
 _NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 SECRET_ENV = "TIERCKPT_AGENT_SECRET"
@@ -71,7 +72,54 @@ def read_secret(secret_file: str | None, environ: dict[str, str] | None = None) 
 
 
 def _loopback(host: str) -> bool:
-    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+    """A literal loopback address, or ``localhost``; never a name that merely starts with "127."."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentLimits:
+    """What one peer may hold of the agent, and for how long (defaults suit a cluster; tests shrink them).
+
+    max_connections     peer connections at once, handshakes included; more are closed on accept
+    max_per_address     of those, from one source address (a node fetching 8 ranks x 4 parts is 32)
+    handshake_s         the whole handshake, from accept to the proof
+    request_s           receiving one request frame, and answering any request without bulk bytes
+    idle_s              waiting for the next request on an open connection
+    min_rate_bps        bulk bytes (a put's files, a get's reply) must move at least this fast:
+                        their deadline is ``request_s + bytes / min_rate_bps``; it bounds a pin too
+    peer_deadline_s     asking one peer for its ids or its listing (peers are asked at once)
+    local_idle_s        a local client that connects and says nothing is closed after this
+    free_space_margin   with no budget, the fraction of the memory filesystem left free
+    """
+
+    max_connections: int = 256
+    max_per_address: int = 64
+    handshake_s: float = 10.0
+    request_s: float = 30.0
+    idle_s: float = 120.0
+    min_rate_bps: float = 10e6
+    peer_deadline_s: float = 10.0
+    local_idle_s: float = 30.0
+    free_space_margin: float = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_per_address"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"limits.{name} must be at least 1")
+        for name in ("handshake_s", "request_s", "idle_s", "min_rate_bps", "peer_deadline_s", "local_idle_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"limits.{name} must be > 0")
+        if not 0 <= self.free_space_margin < 1:
+            raise ConfigError("limits.free_space_margin must be in [0, 1)")
+
+    def bulk_s(self, nbytes: int) -> float:
+        """The deadline of a request that moves ``nbytes`` bulk bytes."""
+        return self.request_s + nbytes / self.min_rate_bps
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +138,7 @@ class AgentConfig:
     metrics_port   serve Prometheus metrics on 127.0.0.1:<port> (None: off; 0 picks one)
     fetch_streams  connections a load's fetch of one large file uses at once (parts of at least
                    ``fetch_part_bytes``, cut at item boundaries, each checked by its own stream)
+    limits         connection caps and deadlines (``AgentLimits``)
     """
 
     memory_dir: str = DEFAULT_MEMORY_DIR
@@ -104,6 +153,7 @@ class AgentConfig:
     metrics_port: int | None = None
     fetch_streams: int = 4
     fetch_part_bytes: int = 64 << 20
+    limits: AgentLimits = field(default_factory=AgentLimits)
 
     def __post_init__(self) -> None:
         if not os.path.isabs(self.memory_dir):
@@ -114,7 +164,7 @@ class AgentConfig:
             raise ConfigError(f"node id {self.node_id!r} may contain only letters, digits, '-' and '_' (1-128)")
         if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 0:
             raise ConfigError(f"replicas must be a whole number >= 0, got {self.replicas!r}")
-        if self.secret is None and not _loopback(self.listen[0]):
+        if not self.secret and not _loopback(self.listen[0]):  # an empty secret is no secret
             raise ConfigError(
                 f"listening on {self.listen[0]} needs a job secret: set {SECRET_ENV} or pass --secret-file "
                 "(without one the agent listens on loopback only)"

@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
 from tierckpt.agent import protocol as p
-from tierckpt.agent.client import PeerClient, PeerError
+from tierckpt.agent import safefs
+from tierckpt.agent.client import PeerClient, PeerError, ask_all
 from tierckpt.agent.server import reply_error
 from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
 from tierckpt.errors import IntegrityError, StorageError, TierckptError
 from tierckpt.integrity import sealed_manifest_bytes
+from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent, Holder
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = ["handle"]
 
 STATUS_DRAIN_CHECK_S = 5.0
+_log = get_logger("agent")
 
 
 def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -79,7 +82,12 @@ def _step(req: dict[str, Any]) -> int:
 
 def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
     """Record every copy of ``ns`` this node can fetch from (its own replicas, each reachable
-    peer's steps and replicas); return step → every file its manifest lists."""
+    peer's steps and replicas); return step → every file its manifest lists.
+
+    Peers are asked at once, each within ``limits.peer_deadline_s``: a stuck peer is left
+    out of this answer and delays nobody. Each entry of a listing is checked on its own; a
+    bad one is dropped, the peer's other entries stay.
+    """
     from tierckpt.agent.service import Holder
 
     keyed: list[tuple[int, Holder]] = []
@@ -88,22 +96,25 @@ def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
         all_files.setdefault(mine.step, set()).update(mine.all_files)
         if mine.kind == "replica":
             keyed.append((mine.step, Holder(agent.node_id, None, mine.origin, mine.save_id, mine.held)))
-    for addr in agent.config.peers:
+    deadline = agent.config.limits.peer_deadline_s
+
+    def listing(addr: tuple[str, int]) -> tuple[str, list[p.ListingEntry]]:
+        client = PeerClient.connect(addr, agent.node_id, agent.config.secret, timeout=deadline)
         try:
-            client = PeerClient.connect(addr, agent.node_id, agent.config.secret, timeout=10.0)
-        except PeerError:
-            continue
-        try:
-            for e in client.list(ns):
-                step = int(e["step"])
-                held = {p.validate_file_name(n): int(s) for n, s in dict(e.get("held", {})).items()}
-                keyed.append((step, Holder(client.node, addr, p.validate_node_id(e.get("origin")),
-                                           str(e.get("save_id", "")), held)))
-                all_files.setdefault(step, set()).update(p.validate_file_name(n) for n in e.get("all", []))
-        except (PeerError, p.ProtocolViolation, OSError, KeyError, TypeError, ValueError):
-            continue
+            client.set_deadline(deadline)
+            entries, dropped = client.list_entries(ns)
         finally:
             client.close()
+        if dropped:
+            _log.warning("[Agent %s] dropped %d invalid listing entries from %s", agent.node_id, dropped, client.node)
+        return client.node, entries
+
+    with agent._lock:
+        peers = list(agent.config.peers)
+    for addr, (node, entries) in ask_all(peers, listing, deadline).items():
+        for e in entries:
+            keyed.append((e.step, Holder(node, addr, e.origin, e.save_id, e.held)))
+            all_files.setdefault(e.step, set()).update(e.all_files)
     with agent._lock:
         for key in [k for k in agent._holders if k[0] == ns]:
             del agent._holders[key]
@@ -156,11 +167,11 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
     bad = False
     for h in candidates:
         tmp = step_dir.parent / layout.STAGING / f"{step}.{name}.{uuid.uuid4().hex[:8]}"
-        tmp.parent.mkdir(parents=True, exist_ok=True)
+        _mkdirs(agent, tmp.parent)
         try:
             t0 = time.perf_counter()
             _get_verified(agent, h, ns, step, name, tmp, manifest)
-            step_dir.mkdir(parents=True, exist_ok=True)
+            _mkdirs(agent, step_dir)
             os.replace(tmp, step_dir / name)
             seconds = time.perf_counter() - t0
             nbytes = (step_dir / name).stat().st_size
@@ -197,7 +208,7 @@ def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
         return
     client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
     try:
-        client.sock.settimeout(max(60.0, size / 50e6))
+        client.set_deadline(agent.config.limits.bulk_s(size))
         client.get_into(ns, h.origin, step, name, dest, expect_size=size, check=check)
     finally:
         client.close()
@@ -224,7 +235,7 @@ def _get_parallel(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
             offset, length, recs = part
             client = PeerClient.connect(address, agent.node_id, agent.config.secret)
             try:
-                client.sock.settimeout(max(60.0, length / 50e6))
+                client.set_deadline(agent.config.limits.bulk_s(length))
                 client.get_range_into(ns, h.origin, step, name, fd, offset, length,
                                       StreamCheck(recs, where, start=offset))
             finally:
@@ -238,12 +249,23 @@ def _get_parallel(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
 
 
 def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path) -> None:
-    if h.address is None:  # a replica on this node: a second link, no copy
-        src = agent.store.replica(h.origin, ns).step_dir(step) / name
+    if h.address is None:  # a replica on this node: copied from it, no link followed
+        store = agent.store
+        with safefs.open_dir(store.root, [*store.parts("replica", h.origin, ns), layout.step_dir_name(step)]) as sfd:
+            src = safefs.open_file(sfd, name)
         try:
-            os.link(src, dest)
-        except OSError:
-            shutil.copyfile(src, dest)
+            out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            try:
+                size, done = os.fstat(src).st_size, 0
+                while done < size:
+                    n = os.sendfile(out, src, done, size - done)
+                    if n == 0:
+                        raise OSError(f"{name} ended early")
+                    done += n
+            finally:
+                os.close(out)
+        finally:
+            os.close(src)
         return
     client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
     try:
@@ -260,14 +282,14 @@ def _manifest(agent: Agent, ns: str, step: int, known: list[Holder], errors: lis
         return cached
     for h in [h for h in known if layout.MANIFEST in h.held and layout.MARKER in h.held]:
         tmp = cache_dir.parent / layout.STAGING / f"{step}.mf.{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        _mkdirs(agent, tmp)
         try:
             _get(agent, h, ns, step, layout.MANIFEST, tmp / layout.MANIFEST)
             _get(agent, h, ns, step, layout.MARKER, tmp / layout.MARKER)
             mf = _sealed(tmp, ns, step, f"step {step} on {h.node}")
             if cached is None or cached.save_id != mf.save_id:
                 shutil.rmtree(cache_dir, ignore_errors=True)  # files of another save of this step
-            cache_dir.mkdir(parents=True, exist_ok=True)
+            _mkdirs(agent, cache_dir)
             for n in (layout.MANIFEST, layout.MARKER):
                 os.replace(tmp / n, cache_dir / n)
             return mf
@@ -299,3 +321,9 @@ def _check(path: Path, name: str, manifest: layout.Manifest, where: str) -> None
     if size is None or path.stat().st_size != size:
         raise IntegrityError(f"{where}: not {size} bytes as the manifest says")
     verify_file(path, [r for r in manifest.items if r.file == name], where)
+
+
+def _mkdirs(agent: Agent, path: Path) -> None:
+    """``path`` under the memory root, each missing directory made 0700, no link followed."""
+    with safefs.open_dir(agent.store.root, path.relative_to(agent.store.root).parts, create=True):
+        pass

@@ -1,20 +1,26 @@
 """The agent's peer protocol, sans I/O: framing, the handshake's MACs, request validation.
 
 A connection between two agents (TCP) is a sequence of frames; bulk bytes follow a frame
-that announced their sizes, unframed:
+that announced their sizes, in segments:
 
     frame   = MAGIC (4 bytes, b"TCK1") + body length (uint32, big-endian) + body (JSON object)
-    server → hello   {op, node, nonce}                      on accept
-    client → auth    {op, node, nonce, mac}                 mac = HMAC(secret, "c" | server nonce | client nonce)
-    server → welcome {op, node, mac}                        mac = HMAC(secret, "s" | client nonce | server nonce)
-    then requests, one at a time:
-      list {ns}                     → listing {steps: [{step, origin, save_id, held: {name: size}, all: [names]}]}
-      get  {ns, origin, step, name, [offset, length]}
-                                    → file {size} + size raw bytes            (error when absent)
-                                      with offset/length: that range of the file (parallel fetches)
-      put  {ns, origin, step, save_id, files: [[name, size], ...], keep: [steps]}
-           + the files' bytes in order                      → stored {} | error {message}
-      status {}                     → status {...}
+              [+ tag (32 bytes) once the session keys exist]
+    server → hello   {op, node, nonce}
+    client → auth    {op, node, nonce}
+    server → welcome {op, node, mac}    mac = HMAC(secret, "s" | nonces | server node | client node)
+    client → proof   {op, mac}          mac = HMAC(secret, "c" | nonces | server node | client node),
+                                        sent only after the client checked the server's MAC
+    from here every frame carries tag = HMAC(direction key, sequence number | frame), the keys
+    derived from the secret, both nonces and both node ids (``session_keys``); bulk bytes go
+    in segments of at most ``SEGMENT`` bytes, each followed by its own tag.
+    requests, one at a time:
+      list {ns}         → listing {steps: [...], more} ...  (several frames until more is false;
+                          an entry's ``held``/``all`` may be split across frames: merge by key)
+      get  {ns, origin, step, name, [offset, length]} → file {size} + the bytes | error
+      put  {ns, origin, step, save_id, files: [[name, size], ...], keep: [steps], owner}
+                        → ready {} | held {} | error; after ready: the files' bytes in order
+                        → stored {} | error {message}
+      status {}         → status {...}
 
 Every value that names storage is validated here (namespace and node id regexes, whole
 numbers, file names from a fixed pattern), so no path ever comes from the wire. A frame
@@ -35,7 +41,7 @@ from typing import Any
 
 from tierckpt import layout
 from tierckpt.config import validate_namespace
-from tierckpt.errors import ConfigError
+from tierckpt.errors import ConfigError, TierckptError
 
 __all__ = [
     "HEADER",
@@ -44,6 +50,9 @@ __all__ = [
     "MAX_FILE",
     "Get",
     "ListSteps",
+    "ListingEntry",
+    "SEGMENT",
+    "TAG",
     "ProtocolViolation",
     "Put",
     "Status",
@@ -51,10 +60,14 @@ __all__ = [
     "decode_body",
     "encode",
     "parse_header",
+    "parse_listing_entry",
     "parse_request",
     "server_mac",
+    "session_keys",
+    "too_deep",
     "validate_file_name",
     "validate_node_id",
+    "validate_save_id",
 ]
 
 MAGIC = b"TCK1"
@@ -64,12 +77,15 @@ MAX_FILE = 1 << 40
 SMALL_FILES = (layout.METADATA, layout.MANIFEST, layout.MARKER)  # a step's sealed files
 MAX_SMALL = 64 << 20  # most bytes one of them may have
 MAX_FILES = 4096
+MAX_DEPTH = 16  # no agent message nests deeper than 4
+SEGMENT = 8 << 20  # bulk bytes per tag
+TAG = 32
 _NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FILE_RE = re.compile(r"__[0-9]{1,9}_[0-9]{1,9}\.distcp|\.metadata|manifest\.json|COMMITTED")
 _NONCE_RE = re.compile(r"[0-9a-f]{64}")
 
 
-class ProtocolViolation(Exception):
+class ProtocolViolation(TierckptError):
     """A peer sent something the protocol does not allow; close that connection."""
 
 
@@ -93,26 +109,60 @@ def parse_header(raw: bytes) -> int:
 
 
 def decode_body(raw: bytes) -> dict[str, Any]:
+    if too_deep(raw):
+        raise ProtocolViolation(f"body nests deeper than {MAX_DEPTH} levels")
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolViolation(f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolViolation("body nests too deeply") from None
     if not isinstance(body, dict) or not isinstance(body.get("op"), str):
         raise ProtocolViolation("body must be an object with an 'op'")
     return body
 
 
+def too_deep(raw: bytes) -> bool:
+    """Whether brackets nest deeper than MAX_DEPTH (a cheap upper bound: brackets inside
+    strings count too, which only refuses bodies no agent sends)."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:
+        return False
+    depth = 0
+    for byte in raw:
+        if byte in (0x5B, 0x7B):
+            depth += 1
+            if depth > MAX_DEPTH:
+                return True
+        elif byte in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
 # -- handshake ---------------------------------------------------------------------
-def _mac(secret: bytes, tag: bytes, first: str, second: str) -> str:
-    return hmac.new(secret, tag + bytes.fromhex(first) + bytes.fromhex(second), hashlib.sha256).hexdigest()
+def _transcript(server_nonce: str, client_nonce: str, server_node: str, client_node: str) -> bytes:
+    return b"\0".join((bytes.fromhex(server_nonce), bytes.fromhex(client_nonce), server_node.encode(),
+                       client_node.encode()))
 
 
-def client_mac(secret: bytes, server_nonce: str, client_nonce: str) -> str:
-    return _mac(secret, b"c", server_nonce, client_nonce)
+def client_mac(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str) -> str:
+    """The client's proof: binds the secret, both nonces and both node ids."""
+    data = b"c" + _transcript(server_nonce, client_nonce, server_node, client_node)
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
 
 
-def server_mac(secret: bytes, client_nonce: str, server_nonce: str) -> str:
-    return _mac(secret, b"s", client_nonce, server_nonce)
+def server_mac(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str) -> str:
+    """The server's proof, sent (and checked by the client) before the client's."""
+    data = b"s" + _transcript(server_nonce, client_nonce, server_node, client_node)
+    return hmac.new(secret, data, hashlib.sha256).hexdigest()
+
+
+def session_keys(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str
+                 ) -> tuple[bytes, bytes]:
+    """(server→client key, client→server key) for the per-frame tags of one connection."""
+    base = hmac.new(secret, b"k" + _transcript(server_nonce, client_nonce, server_node, client_node),
+                    hashlib.sha256).digest()
+    return (hmac.new(base, b"server-to-client", hashlib.sha256).digest(),
+            hmac.new(base, b"client-to-server", hashlib.sha256).digest())
 
 
 def check_mac(expected: str, got: object) -> None:
@@ -180,6 +230,7 @@ class Put:
     save_id: str
     files: tuple[tuple[str, int], ...]
     keep: frozenset[int]
+    owner: str = ""  # the sender's owner token (hex): only its holder may replace or delete these replicas
 
     @property
     def nbytes(self) -> int:
@@ -193,6 +244,7 @@ class Status:
 
 Request = ListSteps | Get | Put | Status
 _SAVE_ID_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_LIST_NAMES = 8000  # names per listing frame: well under MAX_BODY
 
 
 def parse_request(body: Mapping[str, Any]) -> Request:
@@ -206,25 +258,61 @@ def parse_request(body: Mapping[str, Any]) -> Request:
                    validate_file_name(body.get("name")), _int(body.get("offset", 0), "offset", MAX_FILE),
                    None if length is None else _int(length, "length", MAX_FILE))
     if op == "put":
-        files = body.get("files")
-        if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:
-            raise ProtocolViolation(f"files must be a list of 1..{MAX_FILES} [name, size] pairs")
-        parsed: list[tuple[str, int]] = []
-        for entry in files:
-            if not isinstance(entry, list) or len(entry) != 2:
-                raise ProtocolViolation("each file must be [name, size]")
-            parsed.append((validate_file_name(entry[0]), _int(entry[1], "file size", MAX_FILE)))
-        names = [n for n, _ in parsed]
-        if len(set(names)) != len(names):
-            raise ProtocolViolation("a file is named twice")
-        save_id = body.get("save_id")
-        if not isinstance(save_id, str) or not _SAVE_ID_RE.fullmatch(save_id):
-            raise ProtocolViolation("save_id must match [A-Za-z0-9_-]{1,64}")
-        keep = body.get("keep", [])
-        if not isinstance(keep, list) or len(keep) > 1024:
-            raise ProtocolViolation("keep must be a list of at most 1024 steps")
-        return Put(_ns(body.get("ns")), validate_node_id(body.get("origin")), _step(body.get("step")),
-                   save_id, tuple(parsed), frozenset(_step(s) for s in keep))
+        return _put(body)
     if op == "status":
         return Status()
     raise ProtocolViolation(f"unknown op {str(op)[:32]!r}")
+
+
+def _put(body: Mapping[str, Any]) -> Put:
+    files = body.get("files")
+    if not isinstance(files, list) or not 0 < len(files) <= MAX_FILES:
+        raise ProtocolViolation(f"files must be a list of 1..{MAX_FILES} [name, size] pairs")
+    parsed: list[tuple[str, int]] = []
+    for entry in files:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ProtocolViolation("each file must be [name, size]")
+        parsed.append((validate_file_name(entry[0]), _int(entry[1], "file size", MAX_FILE)))
+    names = [n for n, _ in parsed]
+    if len(set(names)) != len(names):
+        raise ProtocolViolation("a file is named twice")
+    keep = body.get("keep", [])
+    if not isinstance(keep, list) or len(keep) > 1024:
+        raise ProtocolViolation("keep must be a list of at most 1024 steps")
+    owner = body.get("owner")
+    if not isinstance(owner, str) or not _NONCE_RE.fullmatch(owner):
+        raise ProtocolViolation("owner must be 64 lowercase hex digits (the sending agent's token)")
+    return Put(_ns(body.get("ns")), validate_node_id(body.get("origin")), _step(body.get("step")),
+               validate_save_id(body.get("save_id")), tuple(parsed), frozenset(_step(s) for s in keep), owner)
+
+
+def validate_save_id(value: object) -> str:
+    if not isinstance(value, str) or not _SAVE_ID_RE.fullmatch(value):
+        raise ProtocolViolation("save_id must match [A-Za-z0-9_-]{1,64}")
+    return value
+
+
+@dataclass(frozen=True)
+class ListingEntry:
+    """One validated piece of a ``listing`` reply (a step copy's files, possibly in several pieces)."""
+
+    step: int
+    origin: str
+    save_id: str
+    held: dict[str, int]
+    all_files: tuple[str, ...]
+
+
+def parse_listing_entry(entry: object) -> ListingEntry:
+    """An entry of a peer's listing, every field checked; ProtocolViolation for a bad one
+    (the caller drops that entry only)."""
+    if not isinstance(entry, dict):
+        raise ProtocolViolation("a listing entry must be an object")
+    held = entry.get("held", {})
+    names = entry.get("all", [])
+    if not isinstance(held, dict) or not isinstance(names, list) or len(held) + len(names) > 2 * MAX_LIST_NAMES:
+        raise ProtocolViolation("a listing entry's held/all must be an object and a list of bounded size")
+    return ListingEntry(_step(entry.get("step")), validate_node_id(entry.get("origin")),
+                        validate_save_id(entry.get("save_id")),
+                        {validate_file_name(n): _int(v, "file size", MAX_FILE) for n, v in held.items()},
+                        tuple(validate_file_name(n) for n in names))

@@ -1,24 +1,32 @@
 """The agent's two listeners: TCP for peers (authenticated) and a Unix socket for this node's trainers.
 
-Each connection runs in its own daemon thread. A peer connection is: hello → auth → welcome,
-then requests until the peer closes; anything that breaks the protocol (garbage, a bad MAC, a
-truncated frame, a path-like name, an oversize length) closes that connection only. A local
-connection carries one JSON line and gets one JSON line back.
+Each connection runs in its own daemon thread, at most ``limits.max_connections`` of them
+(``max_per_address`` from one address); more are closed on accept. A peer connection is:
+hello → auth → welcome → proof within ``handshake_s``, then requests until the peer closes,
+each within its own deadline; anything that breaks the protocol (garbage, a bad MAC or tag,
+a truncated frame, a path-like name, an oversize length, a deadline) closes that connection
+only. The accept loop outlives a failed ``accept`` (EMFILE at the descriptor limit) or a
+thread that cannot start: it logs once, backs off briefly and goes on. A local connection
+carries one JSON line and gets one JSON line back.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import socket
 import socketserver
+import tempfile
 import threading
+import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.agent import protocol as p
-from tierckpt.agent.client import Connection
+from tierckpt.agent.wire import Connection
 from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
@@ -26,9 +34,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalServer", "PeerServer"]
 
-IDLE_TIMEOUT_S = 120.0
-HANDSHAKE_TIMEOUT_S = 10.0
 MAX_LOCAL_LINE = 1 << 16
+ACCEPT_BACKOFF_S = 0.1
 _log = get_logger("agent")
 
 
@@ -37,81 +44,130 @@ class PeerServer:
 
     def __init__(self, agent: Agent, host: str, port: int) -> None:
         self.agent = agent
+        self.limits = agent.config.limits
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
-        self.sock.listen(64)
+        self.sock.listen(128)
+        self.sock.settimeout(0.5)  # close() is noticed without a connection arriving
         self.address: tuple[str, int] = (host, int(self.sock.getsockname()[1]))
-        self._conns: set[socket.socket] = set()
+        self._conns: dict[socket.socket, str] = {}
+        self._per_address: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._closed = False
+        self._logged: set[str] = set()  # each kind of accept trouble is logged once
         self._thread = threading.Thread(target=self._accept_loop, name="tierckpt-agent-accept", daemon=True)
         self._thread.start()
 
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
-                sock, _ = self.sock.accept()
-            except OSError:
-                return
+                sock, addr = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._closed:
+                    return
+                self._trouble(f"accept failed: {exc}", exc.errno or 0)
+                continue
             try:
-                # replies are small frames followed by file bytes: without this each small
-                # file waits out Nagle + the client's delayed ACK (40 ms a file, measured)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-            with self._lock:
-                self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), name="tierckpt-agent-peer", daemon=True).start()
+                self._admit(sock, str(addr[0]))
+            except (RuntimeError, OSError) as exc:  # RuntimeError: "can't start new thread"
+                self._drop(sock)
+                self._trouble(f"a connection could not be served: {exc}", getattr(exc, "errno", 0) or 0)
+
+    def _trouble(self, message: str, code: int) -> None:
+        key = f"{type(message)}:{code}:{message.split(':')[0]}"
+        if key not in self._logged:
+            self._logged.add(key)
+            _log.error("[Agent %s] %s (logged once; the listener backs off %.1fs and keeps accepting)",
+                       self.agent.node_id, message, ACCEPT_BACKOFF_S)
+        if code in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, 0):
+            time.sleep(ACCEPT_BACKOFF_S)  # the condition lasts a while: do not spin on it
+
+    def _admit(self, sock: socket.socket, host: str) -> None:
+        with self._lock:
+            full = len(self._conns) >= self.limits.max_connections
+            if full or self._per_address[host] >= self.limits.max_per_address:
+                self.agent.metrics.rejected.inc()
+                sock.close()
+                return
+            self._conns[sock] = host
+            self._per_address[host] += 1
+        try:
+            # replies are small frames followed by file bytes: without this each small
+            # file waits out Nagle + the client's delayed ACK (40 ms a file, measured)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        threading.Thread(target=self._serve, args=(sock,), name="tierckpt-agent-peer", daemon=True).start()
+
+    def _drop(self, sock: socket.socket) -> None:
+        with self._lock:
+            host = self._conns.pop(sock, None)
+            if host is not None:
+                self._per_address[host] -= 1
+                if self._per_address[host] <= 0:
+                    del self._per_address[host]
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     def _serve(self, sock: socket.socket) -> None:
-        conn = Connection(sock)
+        conn = Connection(sock, step_timeout=self.limits.idle_s)
         try:
-            sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            conn.set_deadline(self.limits.handshake_s)
             peer = self._handshake(conn)
-            sock.settimeout(IDLE_TIMEOUT_S)
             while not self._closed:
+                conn.set_deadline(self.limits.idle_s)
                 try:
                     body = conn.recv()
                 except p.ProtocolViolation as exc:
                     if "after 0 of" in str(exc):
                         return  # the peer closed between requests
                     raise
+                conn.set_deadline(self.limits.request_s)
                 self.agent.handle_peer(p.parse_request(body), conn, peer)
         except p.ProtocolViolation as exc:
             self.agent.metrics.rejected.inc()
             _log.warning("[Agent %s] closed a peer connection: %s", self.agent.node_id, exc)
             try:
+                conn.set_deadline(1.0)
                 conn.send({"op": "error", "message": str(exc)[:500]})
-            except OSError:
+            except (OSError, p.ProtocolViolation):
                 pass
         except OSError as exc:
             _log.info("[Agent %s] peer connection ended: %s", self.agent.node_id, exc)
         finally:
-            with self._lock:
-                self._conns.discard(sock)
-            conn.close()
+            self._drop(sock)
 
     def _handshake(self, conn: Connection) -> str:
         nonce = secrets.token_hex(32)
-        conn.send({"op": "hello", "node": self.agent.node_id, "nonce": nonce})
+        me = self.agent.node_id
+        conn.send({"op": "hello", "node": me, "nonce": nonce})
         auth = conn.recv()
         if auth.get("op") != "auth":
             raise p.ProtocolViolation("expected auth")
         peer = p.validate_node_id(auth.get("node"))
-        theirs = p.validate_nonce(auth.get("nonce"))
+        ids = (nonce, p.validate_nonce(auth.get("nonce")), me, peer)
         key = self.agent.config.secret or b""
-        p.check_mac(p.client_mac(key, nonce, theirs), auth.get("mac"))
-        conn.send({"op": "welcome", "node": self.agent.node_id, "mac": p.server_mac(key, theirs, nonce)})
+        conn.send({"op": "welcome", "node": me, "mac": p.server_mac(key, *ids)})
+        proof = conn.recv()
+        if proof.get("op") != "proof":
+            raise p.ProtocolViolation("expected proof")
+        p.check_mac(p.client_mac(key, *ids), proof.get("mac"))
+        to_client, to_server = p.session_keys(key, *ids)
+        conn.start_session(to_client, to_server)
         return peer
 
     def close(self) -> None:
         self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
         with self._lock:
             for s in list(self._conns):
@@ -126,15 +182,22 @@ class _LocalHandler(socketserver.StreamRequestHandler):
     server: _LocalUnixServer
 
     def handle(self) -> None:
-        line = self.rfile.readline(MAX_LOCAL_LINE + 1)
+        self.request.settimeout(self.server.agent.config.limits.local_idle_s)  # a silent client is closed
+        try:
+            line = self.rfile.readline(MAX_LOCAL_LINE + 1)
+        except OSError:
+            return
         if not line or len(line) > MAX_LOCAL_LINE:
             return
+        self.request.settimeout(None)  # a flush may take long: the client decides how long it waits
         try:
+            if p.too_deep(line):
+                raise p.ProtocolViolation(f"request nests deeper than {p.MAX_DEPTH} levels")
             request = json.loads(line)
             if not isinstance(request, dict):
                 raise ValueError("not an object")
             reply = self.server.agent.handle_local(request)
-        except (ValueError, p.ProtocolViolation) as exc:
+        except (ValueError, RecursionError, p.ProtocolViolation) as exc:
             reply = {"ok": False, "kind": "request", "error": str(exc)[:500]}
         if reply is None:
             return
@@ -147,6 +210,20 @@ class _LocalHandler(socketserver.StreamRequestHandler):
 class _LocalUnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     agent: Agent
+
+    def server_bind(self) -> None:
+        """Bind inside a fresh 0700 directory, make the socket 0600, then rename it into place:
+        no moment exists when others could connect (no process-wide umask change needed)."""
+        final = str(self.server_address)
+        private = tempfile.mkdtemp(prefix=".agent-sock-", dir=os.path.dirname(final))
+        try:
+            path = os.path.join(private, "s")
+            self.socket.bind(path)
+            os.chmod(path, 0o600)
+            os.rename(path, final)
+        finally:
+            os.rmdir(private)
+        self.server_address = final
 
 
 class LocalServer:
@@ -166,7 +243,6 @@ class LocalServer:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.server = _LocalUnixServer(str(path), _LocalHandler)
         self.server.agent = agent
-        os.chmod(path, 0o600)
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="tierckpt-agent-local", daemon=True)
         self._thread.start()

@@ -1,14 +1,18 @@
 """``Agent``: one node's service. Replicates, serves peers, fetches for loads, keeps the budget.
 
 Threads: the two listeners (``server``), and one loop that wakes on a commit notice or every
-``scan_interval_s``: learn the peers' node ids, replicate each namespace's newest own step to
-the ring successors that lack it, then enforce the node budget. Peer requests run in their
-connection's thread; a replica is staged, verified against its manifest, then committed with
-the marker last, so one that is not complete and verified never counts.
+``scan_interval_s``: learn the peers' node ids (all peers asked at once, within a deadline),
+start replicating each namespace's newest own step to the ring successors that lack it (one
+thread per target: ``replicate``), then enforce the node budget. Peer requests run in their
+connection's thread; a replica is reserved against the budget, staged, verified against its
+manifest, then committed with one rename (``receive``), so one that is not complete and
+verified never counts.
 """
 
 from __future__ import annotations
 
+import os
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -18,20 +22,25 @@ from typing import Any
 
 from tierckpt import layout
 from tierckpt.agent import protocol as p
-from tierckpt.agent.client import Connection, PeerClient, PeerError
+from tierckpt.agent import safefs
+from tierckpt.agent.client import Connection, PeerClient, ask_all
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
 from tierckpt.agent.receive import receive_replica
+from tierckpt.agent.replicate import Replicator
+from tierckpt.agent.serve import serve_get, serve_list
 from tierckpt.agent.server import LocalServer, PeerServer
 from tierckpt.agent.store import Held, NodeStore, select_evictions
-from tierckpt.errors import TierckptError
-from tierckpt.observability import get_logger, throughput
+from tierckpt.agent.wire import DigestCache
+from tierckpt.observability import get_logger
 
 __all__ = ["Agent", "ring_targets"]
 
 _log = get_logger("agent")
 PEER_REFRESH_S = 5.0
 DRAIN_CHECK_S = 30.0  # listing an S3 durable tier every scan would be a LIST a second per namespace
+REPLICATION_WAIT_S = 5.0  # a round waits this long for its sends, then goes on (they continue)
+OWNER_FILE = ".agent-owner"  # this node's owner token: only its holder may replace or delete its replicas
 
 
 def ring_targets(nodes: Sequence[str], me: str, k: int) -> list[str]:
@@ -73,8 +82,14 @@ class Agent:
         self._drain_checked = float("-inf")
         self.last_replication: dict[str, Any] = {}
         self.last_fetch: dict[str, Any] = {}
+        self._reserved = 0
+        self._puts: set[tuple[str, str, int]] = set()
+        self._refresher: threading.Thread | None = None
         Path(config.memory_dir).mkdir(parents=True, exist_ok=True)
+        self.owner_token = _owner_token(config.memory_dir)
         self.store.gc()
+        self.replicator = Replicator(self)
+        self.digests = DigestCache()  # SHA-256 of segments already sent (see wire.Connection.send_fd)
         self.peer_server = PeerServer(self, *config.listen)
         self.address = self.peer_server.address
         self.local_server = LocalServer(self, Path(config.memory_dir) / layout.AGENT_SOCKET)
@@ -105,10 +120,9 @@ class Agent:
     def tick(self) -> None:
         """One round: refresh peers, replicate newest steps, enforce the budget."""
         if time.monotonic() - self._peers_checked > PEER_REFRESH_S or len(self.peer_ids) < len(self.config.peers):
-            self._refresh_peers()
+            self._refresh_peers_in_background()
         if self.config.replicas > 0:
-            for ns in self.store.namespaces():
-                self._replicate_newest(ns)
+            self.replicator.round(REPLICATION_WAIT_S)
         self.enforce_budget(0)
         self._update_gauges()
         if self.config.durable_url is not None:
@@ -142,116 +156,61 @@ class Agent:
             self._peers_checked = 0.0
         self._wake.set()
 
-    def _refresh_peers(self) -> None:
+    def _refresh_peers_in_background(self) -> None:
+        """Start a refresh unless one runs: the round goes on with the ids known so far, so a
+        stuck peer holds up neither the budget nor the drain lag (the refresh waits on it alone)."""
+        if self._refresher is not None and self._refresher.is_alive():
+            return
         self._peers_checked = time.monotonic()
-        for addr in self.config.peers:
-            try:
-                client = PeerClient.connect(addr, self.node_id, self.config.secret, timeout=5.0)
-                client.close()
-                self.peer_ids[addr] = client.node
-            except PeerError:
-                self.peer_ids.pop(addr, None)
+        self._refresher = threading.Thread(target=self._refresh_peers, name="tierckpt-agent-peers", daemon=True)
+        self._refresher.start()
+        self._refresher.join(0.5)  # peers that answer at once are in this round's ring
+
+    def _refresh_peers(self) -> None:
+        """Every peer's node id, all asked at once; one that does not answer within the deadline is
+        left out of the ring until it does."""
+        self._peers_checked = time.monotonic()
+        deadline = self.config.limits.peer_deadline_s
+
+        def node_of(addr: tuple[str, int]) -> str:
+            client = PeerClient.connect(addr, self.node_id, self.config.secret, timeout=deadline)
+            client.close()
+            return client.node
+
+        found = ask_all(self.config.peers, node_of, deadline)
+        with self._lock:
+            self.peer_ids = {addr: found[addr] for addr in self.config.peers if addr in found}
+
+    def _replicate_newest(self, ns: str) -> None:
+        """One namespace's replication, waited for (``tierckpt bench replication`` times it)."""
+        self.replicator.now(ns)
 
     def targets(self) -> list[tuple[str, tuple[str, int]]]:
         by_node = {node: addr for addr, node in self.peer_ids.items() if node != self.node_id}
         return [(n, by_node[n]) for n in ring_targets(list(by_node), self.node_id, self.config.replicas)]
 
-    # -- replication (sender) -------------------------------------------------------------
-    def _replicate_newest(self, ns: str) -> None:
-        tier = self.store.own(ns)
-        steps = tier.list_steps()
-        if not steps:
-            return
-        newest = steps[-1]
-        targets = self.targets()
-        try:
-            mf_raw = tier.read_file(newest.step, layout.MANIFEST)
-            save_id = layout.check_marker(tier.read_file(newest.step, layout.MARKER), mf_raw,
-                                          where=tier.location(newest.step))
-            md_raw = tier.read_file(newest.step, layout.METADATA)
-        except TierckptError:
-            return  # deleted meanwhile, or damaged: nothing to offer
-        done = self.replicated.get(ns)
-        have = done[2] if done and done[:2] == (newest.step, save_id) else frozenset()
-        todo = [(n, a) for n, a in targets if n not in have]
-        if not todo:
-            return
-        data = sorted(n for n in newest.files if n.endswith(".distcp"))
-        pins = [(n, tier.pin(newest.step, n)) for n in data]
-        try:
-            if any(pin is None for _, pin in pins):
-                return
-            # the sealed small files first, so the receiver checks each data file as it arrives
-            files: list[tuple[str, Path | bytes]] = [(layout.METADATA, md_raw), (layout.MANIFEST, mf_raw),
-                                                     (layout.MARKER, tier.read_file(newest.step, layout.MARKER))]
-            files += [(n, pin) for n, pin in pins if pin is not None]
-            keep = [s.step for s in steps]
-            for node, addr in todo:
-                if self._send_replica(ns, newest.step, save_id, files, keep, node, addr):
-                    have = have | {node}
-        finally:
-            for _, pin in pins:
-                if pin is not None:
-                    tier.unpin(pin)
-        self.replicated[ns] = (newest.step, save_id, frozenset(have))
-
-    def _send_replica(self, ns: str, step: int, save_id: str, files: list[tuple[str, Path | bytes]],
-                      keep: list[int], node: str, addr: tuple[str, int]) -> bool:
-        nbytes = sum(src.stat().st_size if isinstance(src, Path) else len(src) for _, src in files)
-        t0 = time.perf_counter()
-        try:
-            client = PeerClient.connect(addr, self.node_id, self.config.secret)
-            try:
-                client.sock.settimeout(max(60.0, nbytes / 50e6))
-                client.put(ns, self.node_id, step, save_id, files, keep)
-            finally:
-                client.close()
-        except (PeerError, p.ProtocolViolation, OSError) as exc:
-            _log.warning("[Agent %s] Step %d: replication of %s to %s failed: %s", self.node_id, step, ns, node, exc)
-            self.metrics.replication_failures.inc()
-            return False
-        dt = time.perf_counter() - t0
-        self.metrics.replicated_bytes.inc(nbytes)
-        self.metrics.replication_seconds.set(dt)
-        self.metrics.replication_throughput.set(nbytes / dt if dt > 0 else 0.0)
-        self.last_replication = {"step": step, "namespace": ns, "to": node, "bytes": nbytes, "seconds": round(dt, 4)}
-        _log.info("[Agent %s] Step %d: replicated %s to %s in %s", self.node_id, step, ns, node, throughput(nbytes, dt))
-        return True
-
     # -- peer requests (receiver) -----------------------------------------------------------
     def handle_peer(self, req: p.Request, conn: Connection, peer: str) -> None:
         if isinstance(req, p.ListSteps):
-            steps = [{"step": h.step, "origin": h.origin, "save_id": h.save_id, "held": h.held, "all": list(h.all_files)}
-                     for h in self.store.holdings(req.namespace)]
-            conn.send({"op": "listing", "steps": steps})
+            serve_list(self, req, conn)
         elif isinstance(req, p.Get):
-            self._serve_get(req, conn)
+            serve_get(self, req, conn)
         elif isinstance(req, p.Put):
             receive_replica(self, req, conn, peer)
         else:
             conn.send({"op": "status", **self.status()})
 
-    def _serve_get(self, req: p.Get, conn: Connection) -> None:
-        tier = self.store.tier_for(req.origin, req.namespace)
-        path = tier.step_dir(req.step) / req.name
-        pin = tier.pin(req.step, req.name) if req.origin == self.node_id else None
-        src = pin or path
-        try:
-            if not (tier.step_dir(req.step) / layout.MARKER).exists() or not src.exists():
-                conn.send({"op": "error", "message": f"{req.namespace}/step_{req.step}/{req.name} is not held here"})
-                return
-            size = src.stat().st_size
-            length = size - req.offset if req.length is None else req.length
-            if req.offset + length > size or length < 0:
-                conn.send({"op": "error", "message": f"{req.name} has {size} bytes, not {req.offset}+{length}"})
-                return
-            conn.send({"op": "file", "size": length})
-            conn.send_file(src, size, req.offset, length)
-        except PeerError as exc:
-            raise p.ProtocolViolation(str(exc)) from exc
-        finally:
-            if pin is not None:
-                tier.unpin(pin)
+    def begin_put(self, key: tuple[str, str, int]) -> bool:
+        """Claim (origin, namespace, step) for one connection's put; False if another has it."""
+        with self._lock:
+            if key in self._puts:
+                return False
+            self._puts.add(key)
+            return True
+
+    def end_put(self, key: tuple[str, str, int]) -> None:
+        with self._lock:
+            self._puts.discard(key)
 
     # -- local requests -------------------------------------------------------------------
     def handle_local(self, req: dict[str, Any]) -> dict[str, Any] | None:
@@ -261,20 +220,56 @@ class Agent:
 
     # -- budget ---------------------------------------------------------------------------
     def enforce_budget(self, extra: int) -> bool:
-        """Evict until ``extra`` more bytes fit the node budget; False if they cannot."""
+        """Evict until ``extra`` more bytes (beyond those reserved by puts in flight) fit the node
+        budget; False if they cannot."""
         budget = self.config.budget_bytes
         if budget is None:
             return True
-        with self._lock:
+        with self._lock:  # bytes of puts in flight count once staged; reservations only gate admission
+            return self._evict_to(budget - extra)
+
+    def _evict_to(self, target: int) -> bool:
+        used = self.store.usage_bytes()
+        if used <= target:
+            return True
+        for victim in select_evictions(self.store.everything(), used - target, ("cache", "replica")):
+            self.evict(victim)
             used = self.store.usage_bytes()
-            if used + extra <= budget:
+            if used <= target:
                 return True
-            for victim in select_evictions(self.store.everything(), used + extra - budget, ("cache", "replica")):
-                self.evict(victim)
-                used = self.store.usage_bytes()
-                if used + extra <= budget:
-                    return True
-            return used + extra <= budget
+        return used <= target
+
+    def reserve(self, nbytes: int) -> str | None:
+        """Reserve room for a replica before its bytes come; None when reserved, else why not.
+
+        Nothing is evicted here: only what eviction could free is counted on (``settle`` evicts
+        once the bytes are there). With no budget, the filesystem's free space is the cap.
+        """
+        budget = self.config.budget_bytes
+        with self._lock:
+            if budget is None:
+                st = os.statvfs(self.config.memory_dir)
+                free = st.f_bavail * st.f_frsize - int(self.config.limits.free_space_margin * st.f_blocks * st.f_frsize)
+                if self._reserved + nbytes > free:
+                    return f"no room for {nbytes} bytes: {max(free, 0)} bytes free on the memory filesystem"
+            else:
+                evictable = sum(h.nbytes for h in select_evictions(self.store.everything(), 1 << 62,
+                                                                    ("cache", "replica")))
+                if self.store.usage_bytes() + self._reserved + nbytes - evictable > budget:
+                    return f"no room for {nbytes} bytes within the node budget ({budget} bytes)"
+            self._reserved += nbytes
+            return None
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._reserved -= nbytes
+
+    def settle(self) -> None:
+        """A reserved replica's bytes are staged (counted in usage now): evict what the budget needs."""
+        budget = self.config.budget_bytes
+        if budget is not None:
+            with self._lock:
+                self._evict_to(budget)
 
     def evict(self, victim: Held) -> None:
         self.store.delete(victim)
@@ -337,3 +332,19 @@ class Agent:
     def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
         with self._lock:
             return self._fetch_locks.setdefault(key, threading.Lock())
+
+
+def _owner_token(memory_dir: str) -> str:
+    """This node's owner token (``<root>/.agent-owner``, 0600), made on first start."""
+    with safefs.open_dir(memory_dir, []) as dfd:
+        try:
+            return safefs.read_small(dfd, OWNER_FILE, 128).decode().strip()
+        except FileNotFoundError:
+            pass
+        token = secrets.token_hex(32)
+        fd = safefs.open_file(dfd, OWNER_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(fd, token.encode())
+        finally:
+            os.close(fd)
+        return token

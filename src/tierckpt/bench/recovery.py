@@ -1,6 +1,6 @@
-"""``tierckpt bench recovery``: ``tierckpt run`` (warm and cold) against plain torchrun on a crash and a hang.
+"""``tierckpt bench recovery``: ``tierckpt run`` (warm and cold) against plain torchrun on every fault kind.
 
-    tierckpt bench recovery [--rounds 3] [--scenarios crash,hang] [--step-time 0.1] [--fault-step 10]
+    tierckpt bench recovery [--rounds 3] [--scenarios crash,hang,nan,lostnode] [--step-time 0.1] [--fault-step 10]
                             [--hang-cap 30] [--shm-dir /dev/shm] [--logs DIR] [--json PATH]
     tierckpt bench recovery --compile ...     a compiled job, with in-process restarts (recovery_inprocess.py)
 
@@ -22,6 +22,9 @@ crash (all three)
     package, hence torch, or a standby taking over), imports (-> the script's own imports), process group (-> ``init_process_group``), load
     (-> state restored from memory), first step. For every launcher, kill -> both new workers
     in ``main()``.
+nan, lostnode (warm and torchrun)
+    A NaN loss on rank 1, and the loss of agent 1's whole host (memory tier included) with a
+    replacement started at once: see ``recovery_faults``.
 hang (warm and torchrun)
     SIGSTOP of that worker (for ``tierckpt run`` once its ``timeout`` event says the heartbeat
     timeout is calibrated); the figure is the time until a launcher reports it: the first
@@ -52,14 +55,17 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from tierckpt.bench import recovery_faults
 from tierckpt.bench.twonode import RANKS, JobTimeout, TwoNodeJob
 from tierckpt.launcher.warm import kill_if_standby
 
 __all__ = ["main"]
 
-SCENARIOS = ("crash", "hang")
+SCENARIOS = ("crash", "hang", "nan", "lostnode")
 LAUNCHERS = ("warm", "cold", "torchrun")
-_RUNS = {"crash": LAUNCHERS, "hang": ("warm", "torchrun")}  # a standby does not change hang detection
+# a standby does not change hang detection; nan and lostnode compare the default with torchrun
+_RUNS = {"crash": LAUNCHERS, "hang": ("warm", "torchrun"), "nan": ("warm", "torchrun"),
+         "lostnode": ("warm", "torchrun")}
 STAGES = ("detect", "stop", "restart", "spawn", "imports", "pg", "load", "first_step")
 _STAGE_LABELS = {"detect": "kill -> fault event (detection)", "stop": "-> workers stopped on both nodes",
                  "restart": "-> restart events (barrier, port, start)", "spawn": "-> in main() (cold: python, torch)",
@@ -105,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Crash recovery and hang detection: tierckpt run (warm, cold) against "
                                 "torchrun, one run.")
     p.add_argument("--rounds", type=int, default=3, help="rounds, each running every launcher once (default 3)")
-    p.add_argument("--scenarios", default="crash,hang", help="comma-separated subset of: crash, hang (default both)")
+    p.add_argument("--scenarios", default="crash,hang,nan,lostnode",
+                   help="comma-separated subset of: crash, hang, nan, lostnode (default all)")
     p.add_argument("--step-time", type=float, default=0.1, help="seconds per training step (default 0.1)")
     p.add_argument("--fault-step", type=int, default=10, help="fault once both ranks passed this step (default 10)")
     p.add_argument("--hang-cap", type=float, default=30.0, help="seconds to wait for a hang to be reported (default 30)")
@@ -155,16 +162,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_one(job: _Job, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
+        if scenario == "nan":
+            recovery_faults.prepare_nan(job)
         job.start()
         job.wait_for(lambda: job.min_step() >= args.fault_step or (job.exited() and "exited"),
                      _START_S, f"both ranks to reach step {args.fault_step}")
         if job.exited():
             raise JobTimeout(f"{job.mode}: an agent exited before step {args.fault_step}; logs in {job.root}")
-        if job.mode == "warm" and scenario == "crash":
+        if job.mode == "warm" and scenario != "hang":
             job.wait_for(lambda: job.standbys_ready() or (job.exited() and "exited"), _START_S,
                          "a ready standby on both agents")
         if scenario == "crash":
             return _crash(job)
+        if scenario == "nan":
+            return recovery_faults.nan(job)
+        if scenario == "lostnode":
+            return recovery_faults.lost_node(job)
         return _hang(job, args.hang_cap)
     except JobTimeout as exc:
         return {"value_s": None, "error": str(exc)}
@@ -259,8 +272,13 @@ def _summarise(runs: list[dict[str, Any]], args: argparse.Namespace, scenarios: 
         med = figures["hang"]["warm"]["median_s"]
         goals.append({"name": f"hang detection <= max(3 x step, 10 s) = {hang_goal:g} s", "target": hang_goal,
                       "value": med, "pass": None if med is None else med <= hang_goal})
+    if "nan" in figures:
+        runs_nan = [r for r in runs if r["scenario"] == "nan" and r["launcher"] != "torchrun" and "fault_step" in r]
+        ok = bool(runs_nan) and all(r["resumed_before_fault"] for r in runs_nan)
+        goals.append({"name": "after a NaN, every rank resumes a step older than the NaN step", "target": 1,
+                      "value": float(ok), "pass": ok if runs_nan else None})
     failures = [r for r in runs if r.get("error") or (r["value_s"] is None and (
-        r["scenario"] == "crash" or r["launcher"] != "torchrun"))]
+        r["scenario"] != "hang" or r["launcher"] != "torchrun"))]
     return {"tool": "tierckpt bench (recovery)",
             "config": {"rounds": args.rounds, "scenarios": list(scenarios), "step_time_s": args.step_time,
                        "fault_step": args.fault_step, "hang_cap_s": args.hang_cap, "nodes": 2, "workers_per_node": 1},
@@ -285,7 +303,8 @@ def format_report(doc: dict[str, Any]) -> str:
     lines = [f"\ntierckpt bench recovery: 2 agents x 1 worker, gloo on 127.0.0.1, step {cfg['step_time_s']:g} s, "
              f"fault after step {cfg['fault_step']}, {cfg['rounds']} round(s); medians (s), then each run",
              f"  {'':<46} {'tierckpt warm':>{w + 2}} {'tierckpt cold':>{w + 2}} {'torchrun':>{w + 2}}   x torchrun"]
-    rows = {"crash": "crash: SIGKILL -> both ranks step again", "hang": "hang: SIGSTOP -> launcher reports it"}
+    rows = {"crash": "crash: SIGKILL -> both ranks step again", "hang": "hang: SIGSTOP -> launcher reports it",
+            "nan": "nan: NaN loss -> both ranks step again", "lostnode": "lost node: host gone -> both step again"}
     for scenario, fig in figs.items():
         cap = cfg["hang_cap_s"] if scenario == "hang" else None
         cols = [_fmt(fig[k]["median_s"], cap if k == "torchrun" else None) if k in fig else "-" for k in LAUNCHERS]
@@ -294,6 +313,8 @@ def format_report(doc: dict[str, Any]) -> str:
         each = " | ".join(f"{k} " + " ".join("-" if v is None else f"{v:.2f}" for v in fig[k]["runs_s"])
                           for k in LAUNCHERS if k in fig)
         lines.append(f"    runs (s): {each}")
+        if scenario in ("nan", "lostnode"):
+            lines.append("    " + recovery_faults.describe(scenario, [r for r in doc["runs"] if r["scenario"] == scenario]))
         if any("worker_start_s" in fig.get(k, {}) for k in LAUNCHERS):
             ws = [_fmt(fig.get(k, {}).get("worker_start_s", {}).get("median_s")) for k in LAUNCHERS]
             lines.append(f"  {'    kill -> both new workers in main()':<46} {ws[0]:>{w + 2}} {ws[1]:>{w + 2}} "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -58,6 +59,23 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _descendants(root: int) -> list[int]:
+    """Live descendants of ``root`` (an agent's workers, standbys and hosted node agent, whatever
+    session they started)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            parent = _ppid(int(entry))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def _ppid(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -82,6 +100,8 @@ class TwoNodeJob:
         self.steps, self.step_time = steps, step_time
         self.port = _free_port()
         self.agents: list[subprocess.Popen[bytes]] = []
+        self.extra: list[str] = []  # more arguments for the training script (fault injection)
+        self.lost: list[subprocess.Popen[bytes]] = []  # agents replaced by ``relaunch`` (already killed)
 
     # ---- starting ----
     def command(self, node: int) -> list[str]:
@@ -89,7 +109,7 @@ class TwoNodeJob:
                 f"--rdzv-id=bench{self.port}", f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=3",
                 "--monitor-interval=0.1"]
         train = ["-m", "tierckpt.demo.resilient", "--workdir", str(self.work), "--steps", str(self.steps),
-                 "--step-time", str(self.step_time)]
+                 "--step-time", str(self.step_time), *self.extra]
         if self.launcher == "torchrun":
             return [sys.executable, "-m", "torch.distributed.run", *rdzv, *train]
         return [sys.executable, "-m", "tierckpt.cli", "run", *rdzv, f"--namespace={_NS}",
@@ -105,9 +125,49 @@ class TwoNodeJob:
 
     def start(self) -> None:
         for node in (0, 1):
-            with open(self.root / f"agent{node}.log", "ab") as log:
-                self.agents.append(subprocess.Popen(self.command(node), env=self.env(node), stdout=log,
-                                                    stderr=subprocess.STDOUT, start_new_session=True))
+            self.agents.append(self._spawn(node))
+
+    def _spawn(self, node: int) -> subprocess.Popen[bytes]:
+        with open(self.root / f"agent{node}.log", "ab") as log:
+            return subprocess.Popen(self.command(node), env=self.env(node), stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def lose_node(self, node: int) -> float:
+        """A lost host: SIGKILL agent ``node`` and all its descendants (workers, standbys, hosted node
+        agent) at once and wipe its memory tier; returns the time of the kill. ``relaunch`` starts
+        the replacement."""
+        victim = self.agents[node]
+        pids = _descendants(victim.pid)
+        t_kill = time.time()
+        for pid in [victim.pid, *pids]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        victim.wait(timeout=30)
+        self.lost.append(victim)
+        self.wipe_memory(node)
+        return t_kill
+
+    def wipe_memory(self, node: int) -> None:
+        """Empty node ``node``'s memory tier (its directory stays)."""
+        for child in self.memory[node].iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+
+    def alive(self, pid: int) -> bool:
+        """``pid`` is running (not gone, not a zombie)."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def relaunch(self, node: int) -> None:
+        """Start a replacement agent for ``node`` (same arguments, the wiped memory tier)."""
+        self.agents[node] = self._spawn(node)
 
     # ---- what happened ----
     def events_path(self, node: int) -> Path:

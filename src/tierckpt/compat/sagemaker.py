@@ -17,33 +17,48 @@ step_<N>/`` (plain DCP per step, every rank's files together: the directory the 
 ``RayS3PathStrategy`` names, whichever strategy is configured). Checkpoints the SageMaker
 library itself wrote (its layouts, see ``sagemaker_paths``) load through the reader when the
 namespace has no tierckpt step (or the asked-for step is only there), and ``tierckpt import``
-converts them. ``save_to_s3`` is read once, when a writer is built, so changing
-it for the next step cannot affect a save still in flight. The seed's validation messages are
+converts them. ``s3_layout="sagemaker"`` makes the writer put its S3 copy in the SageMaker
+library's own format and layout instead (``sagemaker_write``), so the library reads it back and a
+team can run both side by side or go back. ``save_to_s3`` is read once, when a writer is built,
+so changing it for the next step cannot affect a save still in flight. The seed's validation messages are
 kept; its errors derive from ``tierckpt.TierckptError`` as well.
 """
 
 from __future__ import annotations
 
-import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tierckpt import layout
-from tierckpt.compat.legacy import CHECKPOINT_FILE, LegacySource
-from tierckpt.compat.sagemaker_paths import (
-    DefaultS3PathStrategy,
-    RayS3PathStrategy,
-    S3PathStrategy,
-    detect_default_strategy,
+from tierckpt import metrics
+from tierckpt.compat.legacy import CHECKPOINT_FILE, METADATA_FILE, LegacySource, SageMakerStorageInfo
+from tierckpt.compat.sagemaker_config import (
+    SageMakerCheckpointConfig,
+    SageMakerInMemoryTierError,
+    SageMakerS3TierError,
+    SageMakerTieredStorageConfigError,
+    SageMakerTieredStorageError,
+    one_config,
+    our_strategy,
+    parse_step,
+    tierckpt_step_dir,
+    to_tierckpt,
+    validated,
 )
-from tierckpt.config import DEFAULT_MEMORY_DIR, CheckpointConfig, DurableLocation, S3Settings
+from tierckpt.compat.sagemaker_paths import DefaultS3PathStrategy, RayS3PathStrategy, S3PathStrategy
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
-from tierckpt.errors import CheckpointNotFoundError, ConfigError, StorageError, TierckptError
+from tierckpt.errors import (
+    CheckpointNotFoundError,
+    DurableWriteError,
+    StorageError,
+    TierckptError,
+)
 
 __all__ = [
     "DefaultS3PathStrategy",
@@ -56,166 +71,67 @@ __all__ = [
     "SageMakerTieredStorageError",
     "SageMakerTieredStorageReader",
     "SageMakerTieredStorageWriter",
+    "parse_step",
+    "tierckpt_step_dir",
+    "to_tierckpt",
+    "validated",
 ]
 
-_SEED_STEPS_RETAINED = 3  # the seed's memory service keeps the newest 3 steps
-
-
-class SageMakerTieredStorageError(TierckptError):
-    """Root of the SageMaker-compatible errors."""
-
-
-class SageMakerInMemoryTierError(SageMakerTieredStorageError):
-    """The memory tier failed."""
-
-
-class SageMakerS3TierError(SageMakerTieredStorageError, StorageError):
-    """The S3 tier failed, or its path is unusable."""
-
-
-class SageMakerTieredStorageConfigError(SageMakerTieredStorageError, ConfigError):
-    """The SageMakerCheckpointConfig is invalid."""
-
-
 @dataclass
-class SageMakerCheckpointConfig:
-    """The seed's config (mutable, like the seed's), plus two tierckpt fields at the end.
+class _BothInfo:
+    """A write result's storage data in the sagemaker layout: tierckpt's (memory) and the library's (S3)."""
 
-    ``disk_tier_base_path`` and ``save_to_disk`` are accepted and unused, as in the seed.
-    ``s3_path_strategy``: a ``DefaultS3PathStrategy`` / ``RayS3PathStrategy`` (from this module or
-    the seed's), or any object with a ``base_path``; without one, ``s3_tier_base_path`` picks
-    Ray's inside Ray Train, else the default, as the seed does. tierckpt writes its own
-    ``<base>/<namespace>/step_<N>/`` layout with either; the strategy says where to find
-    checkpoints the seed wrote.
-    ``memory_dir``: the node-local memory tier; ``s3``: endpoint, credentials, part size and
-    retry overrides (None fields come from the standard AWS variables).
-    """
-
-    namespace: str
-    world_size: int
-    disk_tier_base_path: str = ""
-    s3_tier_base_path: str = ""
-    s3_path_strategy: Any = None
-    save_to_s3: bool = False
-    save_to_disk: bool = False
-    logger: logging.Logger | None = None
-    memory_dir: str = DEFAULT_MEMORY_DIR
-    s3: S3Settings | None = None
-
-    def __post_init__(self) -> None:
-        if self.s3_tier_base_path and self.s3_path_strategy:
-            raise ValueError(
-                "Cannot specify both s3_tier_base_path and s3_path_strategy. Use one or the other."
-            )
-
-    def get_s3_strategy(self) -> Any:
-        """The explicit strategy, else one detected for ``s3_tier_base_path``, else None."""
-        if self.s3_path_strategy:
-            return self.s3_path_strategy
-        if self.s3_tier_base_path:
-            return detect_default_strategy(self.s3_tier_base_path, self.logger)
-        return None
-
-
-def tierckpt_step_dir(base_path: str, namespace: str, step: int) -> str:
-    """Where tierckpt puts a step on S3: ``<base_path>/<namespace>/step_<N>``."""
-    return f"{base_path.rstrip('/')}/{namespace}/{layout.step_dir_name(step)}"
-
-
-def _base_path(config: SageMakerCheckpointConfig) -> str | None:
-    strategy = config.get_s3_strategy()
-    return None if strategy is None else str(getattr(strategy, "base_path", strategy))
-
-
-def validated(config: SageMakerCheckpointConfig) -> SageMakerCheckpointConfig:
-    """The seed's checks, in its order and with its messages; returns the same object."""
-    if not isinstance(config, SageMakerCheckpointConfig):
-        raise SageMakerTieredStorageConfigError("checkpoint_config must be a SageMakerCheckpointConfig")
-    if not config.namespace:
-        raise SageMakerTieredStorageConfigError("Namespace in SageMakerCheckpointConfig cannot be empty")
-    if isinstance(config.world_size, bool) or not isinstance(config.world_size, int):
-        raise TypeError(f"world_size must be an int, got {type(config.world_size).__name__}")
-    if config.world_size <= 0:
-        raise SageMakerTieredStorageConfigError(
-            f"Invalid world size:{config.world_size}, expecting a positive integer"
-        )
-    base = _base_path(config)
-    if config.save_to_s3 and base is None:
-        raise SageMakerTieredStorageConfigError(
-            "S3 save enabled but no S3 path configured. Set s3_tier_base_path or s3_path_strategy."
-        )
-    if base is not None and not base.startswith("s3://"):
-        raise SageMakerTieredStorageConfigError("Invalid S3 tier base path, should start with s3://")
-    return config
-
-
-def to_tierckpt(config: SageMakerCheckpointConfig) -> CheckpointConfig:
-    """The tierckpt config a SageMaker config stands for (validated first)."""
-    validated(config)
-    base = _base_path(config)
-    durable_url = None
-    if base is not None:
-        if not base[len("s3://") :].split("/", 1)[0]:
-            raise SageMakerS3TierError("Invalid S3 path: bucket name is empty")
-        durable_url = base.rstrip("/")
-        try:
-            DurableLocation.parse(durable_url)
-        except ConfigError as exc:
-            raise SageMakerTieredStorageConfigError(str(exc)) from exc
-    try:
-        return CheckpointConfig(
-            namespace=config.namespace,
-            memory_dir=config.memory_dir,
-            durable_url=durable_url,
-            memory_steps_retained=_SEED_STEPS_RETAINED,
-            durable_every_n_steps=0,  # the durable copy happens exactly when save_to_s3 says
-            s3=config.s3 or S3Settings(),
-            logger=config.logger,
-        )
-    except ConfigError as exc:
-        raise SageMakerTieredStorageConfigError(str(exc)) from exc
-
-
-def parse_step(path: Any, step: int) -> int:
-    """The seed's rule: an explicit ``step`` (not -1) wins; else ``step_<N>`` in ``path``.
-
-    Every path the seed accepts gives the seed's step (the text after the first ``step_`` up to
-    the next ``/``); paths it rejected are tried with tierckpt's rule (the last ``step_<N>``
-    component), so ``my_step_dir/step_5`` works here.
-    """
-    value = step
-    if step == -1 and "step_" in str(path):
-        text = str(path)
-        try:
-            value = int(text[text.index("step_") + len("step_") :].split("/", 1)[0])
-        except ValueError:
-            found = layout.step_from_path(text)
-            value = -1 if found is None else found
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SageMakerTieredStorageError(f"Invalid step value, step:{value}. path:{path}")
-    return value
+    tierckpt: Any
+    sagemaker: SageMakerStorageInfo | None
 
 
 class SageMakerTieredStorageWriter(TieredStorageWriter):
     """``SageMakerTieredStorageWriter(checkpoint_config, path="", step=-1)``: one step's save.
 
+    The step: ``step`` when given, else ``step_<N>`` in ``path``, else in the ``checkpoint_id``
+    given to ``dcp.save`` (as in the seed's docs); a save with none of them fails with the
+    seed's "Invalid step value". ``config=`` is accepted for ``checkpoint_config=``.
     Every save goes to the memory tier; it also goes to S3 when ``checkpoint_config.save_to_s3``
-    is set at construction. ``checkpoint_id`` given to ``dcp.save`` is ignored, as in the seed.
+    is set at construction, in the layout ``checkpoint_config.s3_layout`` names.
+
+    Call order (DCP): ``reset(checkpoint_id)`` → ``set_up_storage_writer`` → plans →
+    ``write_data`` on every rank (memory, then with ``s3_layout="sagemaker"`` this rank's
+    ``checkpoint.pt``) → ``finish`` on the coordinator (memory commit, then the library's
+    ``metadata.metadata``, the object that makes the step visible to it).
     """
 
-    def __init__(self, checkpoint_config: SageMakerCheckpointConfig, path: Any = "", step: int = -1) -> None:
-        resolved = parse_step(path, step)  # the seed checks the step before the config
-        super().__init__(to_tierckpt(checkpoint_config), step=resolved, durable=bool(checkpoint_config.save_to_s3))
-        self.checkpoint_config = checkpoint_config
+    def __init__(
+        self, checkpoint_config: SageMakerCheckpointConfig | None = None, path: Any = "", step: int = -1,
+        *, config: SageMakerCheckpointConfig | None = None,
+    ) -> None:
+        checkpoint_config = one_config(checkpoint_config, config)
+        # the seed checks the step before the config; with no step yet, dcp.save's checkpoint_id gives it
+        resolved = None if step == -1 and "step_" not in str(path) else parse_step(path, step)
+        self.sagemaker_layout = checkpoint_config.s3_layout == "sagemaker"
         self.save_to_s3 = bool(checkpoint_config.save_to_s3)
+        super().__init__(to_tierckpt(checkpoint_config), step=resolved,
+                         durable=self.save_to_s3 and not self.sagemaker_layout)
+        self.path = path  # as given (shown in the seed's "Invalid step value" message)
+        self.stage_before_step = resolved is None  # async_save's checkpoint_id arrives after staging
+        self.checkpoint_config = checkpoint_config
+        self._sink: Any = None
+
+    @property
+    def step(self) -> int:
+        if self._step is None:
+            raise SageMakerTieredStorageError(
+                f"Invalid step value, step:-1. path:{self.path}; pass step=N to the writer, a path with "
+                "'step_N', or checkpoint_id='step_N' to dcp.save"
+            )
+        return self._step
 
     @property
     def s3_checkpoint_dir(self) -> str | None:
         """The S3 directory with every rank's files of this step (e.g. for ``ray.train.report``).
 
         None without S3. As in the seed, ``DefaultS3PathStrategy`` raises (a NotImplementedError
-        that is also a TierckptError); with any other strategy it is where tierckpt writes the
-        step, ``<base>/<namespace>/step_<N>``, known before the (async) write completes.
+        that is also a TierckptError); with any other strategy it is where the step goes,
+        ``<base>/<namespace>/step_<N>``, known before the (async) write completes.
         """
         strategy = self.checkpoint_config.get_s3_strategy()
         if strategy is None:
@@ -229,12 +145,65 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         return True
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        super().reset(None)  # the step is fixed at construction
+        """An explicit step (or a path with one) wins; else ``checkpoint_id`` names it (seed rule)."""
+        if checkpoint_id is not None and self._step is None:
+            self._step = parse_step(checkpoint_id, -1)
+        super().reset(None)
+
+    def _s3_sink(self) -> Any:
+        if self._sink is None:
+            from tierckpt.compat.sagemaker_write import SageMakerS3Sink
+
+            strategy = our_strategy(self.checkpoint_config)
+            if strategy is None:  # validated() refuses save_to_s3 without a path; kept for the type
+                raise SageMakerTieredStorageConfigError("S3 save enabled but no S3 path configured.")
+            self._sink = SageMakerS3Sink(strategy, self.config.namespace, self.config.s3)
+        return self._sink
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        fut = super().write_data(plan, planner)  # completed: the memory write is synchronous
+        if not (self.sagemaker_layout and self.save_to_s3):
+            return fut
+        try:
+            ours = fut.value()
+        except Exception:  # the memory write failed: DCP reports it from the future as is
+            return fut
+        out: Future[list[WriteResult]] = Future()
+        try:
+            from tierckpt.compat.sagemaker_write import encode_items
+
+            blob, infos = encode_items(list(plan.items), planner, self.rank)
+            self._s3_sink().put(self.rank, self.step, CHECKPOINT_FILE, blob)
+            out.set_result([replace(wr, storage_data=_BothInfo(wr.storage_data, info))
+                            for wr, info in zip(ours, infos, strict=True)])
+        except (TierckptError, TypeError) as exc:
+            out.set_exception(cast(Any, SageMakerS3TierError(
+                f"[Rank {self.rank}] Step {self._step}: S3 write failed (memory copy written): {exc}")))
+        return out
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if not (self.sagemaker_layout and self.save_to_s3):
+            super().finish(metadata, results)
+            return
+        theirs = {wr.index: wr.storage_data.sagemaker for rank_results in results for wr in rank_results}
+        super().finish(metadata, [[replace(wr, storage_data=wr.storage_data.tierckpt) for wr in rank_results]
+                                  for rank_results in results])
+        from tierckpt.compat.sagemaker_write import dumps_metadata
+
+        try:
+            raw = dumps_metadata(replace(metadata, storage_data=theirs))
+            self._s3_sink().put(0, self.step, METADATA_FILE, raw)  # beside rank 0's, as the seed's coordinator
+        except StorageError as exc:
+            raise DurableWriteError(
+                f"S3 metadata of step {self.step} failed (memory copy is committed): {exc}", tier="durable", step=self.step
+            ) from exc
 
 
 class SageMakerTieredStorageReader(TieredStorageReader):
     """``SageMakerTieredStorageReader(checkpoint_config, step=None)``: None loads the newest step
-    every rank can load (memory first, then S3); an explicit step loads exactly that step.
+    every rank can load (memory first, then S3); an explicit step loads exactly that step, and
+    so does the ``checkpoint_id='.../step_N'`` given to ``dcp.load`` when there is no ``step``.
+    ``config=`` is accepted for ``checkpoint_config=`` (the seed's docs use it).
 
     ``step`` is readable right after construction, as in the seed, and is the loaded step after
     ``dcp.load``. When tierckpt's tiers hold no step (or not the asked-for one) and S3 is
@@ -242,7 +211,11 @@ class SageMakerTieredStorageReader(TieredStorageReader):
     configured strategy's layout (``tierckpt.compat.legacy``).
     """
 
-    def __init__(self, checkpoint_config: SageMakerCheckpointConfig, step: int | None = None) -> None:
+    def __init__(
+        self, checkpoint_config: SageMakerCheckpointConfig | None = None, step: int | None = None,
+        *, config: SageMakerCheckpointConfig | None = None,
+    ) -> None:
+        checkpoint_config = one_config(checkpoint_config, config)
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise SageMakerTieredStorageError(f"Invalid step value, step:{step}. path:")
         super().__init__(to_tierckpt(checkpoint_config), step=step)
@@ -255,7 +228,10 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         return True
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        super().reset(None)
+        """``dcp.load(checkpoint_id='.../step_N')`` loads step N unless the reader was given a step."""
+        if checkpoint_id is not None and self.requested is None:
+            self.requested = self.step = parse_step(checkpoint_id, -1)
+        self._legacy = None
 
     def read_metadata(self) -> Metadata:
         try:
@@ -270,12 +246,9 @@ class SageMakerTieredStorageReader(TieredStorageReader):
         return found[2]
 
     def _find_legacy(self) -> tuple[LegacySource, int, Metadata] | None:
-        strategy = self.checkpoint_config.get_s3_strategy()
+        strategy = our_strategy(self.checkpoint_config)
         if strategy is None:
             return None
-        if not isinstance(strategy, S3PathStrategy):  # the seed's own strategy classes: same layouts
-            cls = RayS3PathStrategy if type(strategy).__name__ == "RayS3PathStrategy" else DefaultS3PathStrategy
-            strategy = cls(str(strategy.base_path))
         source = LegacySource(strategy, self.config.namespace, self.config.s3, self.config.logger)
         newest = source.newest(self.requested)
         return None if newest is None else (source, newest[0], newest[1])
@@ -292,6 +265,9 @@ class SageMakerTieredStorageReader(TieredStorageReader):
                 source, step, metadata = self._legacy
                 source.read_items(step, metadata, list(plan.items), planner)
                 self.tiers_used[CHECKPOINT_FILE] = "s3 (SageMaker layout)"
+                if self.reports_metrics:
+                    metrics.dcp_loaded(self.config.namespace, step, 0.0 if self._t_load is None
+                                       else time.perf_counter() - self._t_load, ["durable"])
                 fut.set_result(None)
                 return fut
             if self.step is None or self._manifest is None:

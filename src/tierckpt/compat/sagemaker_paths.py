@@ -9,8 +9,9 @@ metadata beside rank 0's, in one of two layouts:
 
 tierckpt writes its own layout (``{base}/{namespace}/step_{N}/``, plain DCP, every rank's
 files together), which is the Ray strategy's checkpoint directory; the strategies here are
-used to name that directory (``s3_checkpoint_dir``) and to find and read checkpoints the
-SageMaker library wrote (``tierckpt.compat.legacy``). Same names, signatures and errors as the
+used to name that directory (``s3_checkpoint_dir``), to find and read checkpoints the
+SageMaker library wrote (``tierckpt.compat.legacy``) and, with ``s3_layout="sagemaker"``, to
+write them (``tierckpt.compat.sagemaker_write``). Same names, signatures and errors as the
 library's ``amzn_sagemaker_checkpointing.config.s3_path_strategy``.
 """
 

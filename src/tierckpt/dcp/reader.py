@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from tierckpt import layout
+from tierckpt import layout, metrics
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import Availability, choose_step, gather
 from tierckpt.dcp.items import ItemReader
@@ -110,6 +110,11 @@ class TieredStorageReader(StorageReader):
         self._log = StepLogger("reader", self.rank, config.logger)
         #: the tierckpt error this reader raised, if any (DCP re-wraps read_metadata errors)
         self.failure: TierckptError | None = None
+        #: whether a completed read_data reports the load (tierckpt_loads_total ...); a caller
+        #: that loads one step in several reads turns it off for all but one
+        self.reports_metrics = _runtime is None  # a Checkpointer passes its runtime and reports its own loads
+        self._t_load: float | None = None
+        metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: as Checkpointer, so DCP-plug-in users report too
 
     @property
     def runtime(self) -> RankRuntime:
@@ -127,6 +132,7 @@ class TieredStorageReader(StorageReader):
 
     # -- choosing the step ----------------------------------------------------------
     def read_metadata(self) -> Metadata:  # no **kwargs: tierckpt keeps global metadata only
+        self._t_load = time.perf_counter()
         try:
             return self._read_metadata()
         except TierckptError as exc:
@@ -185,9 +191,16 @@ class TieredStorageReader(StorageReader):
         except TierckptError as exc:
             self.failure = exc
             raise
+        self.report_load()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def report_load(self) -> None:
+        """Count this rank's completed load in the library metrics (unless ``reports_metrics`` is off)."""
+        if self.reports_metrics:
+            seconds = 0.0 if self._t_load is None else time.perf_counter() - self._t_load
+            metrics.dcp_loaded(self.config.namespace, self.step, seconds, self.tiers_used.values())
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         step, manifest, metadata, sources = self.step, self._manifest, self._metadata, self._sources

@@ -71,11 +71,12 @@ def check_object(
     """
     if trusted:
         return
+    allowed = tuple(allowed)
     try:
         with torch.serialization.safe_globals([*_default_extras(), *allowed]):
             torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        names = _refused(raw, str(exc))
+        names = _refused(raw, str(exc), allowed)
         shown = ", ".join(names) if names else "a global outside the allow-list"
         raise UnsafeObjectError(
             f"step {step}: checkpoint object {key!r} references {shown}, which tierckpt does not load by "
@@ -86,14 +87,18 @@ def check_object(
         ) from exc
 
 
-def _refused(raw: bytes | memoryview, message: str) -> tuple[str, ...]:
-    """The globals the restricted unpickler refused, for the error message (best effort)."""
+def _refused(raw: bytes | memoryview, message: str, allowed: tuple[Any, ...] = ()) -> tuple[str, ...]:
+    """The globals the restricted unpickler refused, for the error message (best effort).
+
+    What the caller allowed is never listed: naming an allowed class would send the user after
+    the wrong object.
+    """
     try:
         found = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(raw))
     except Exception:  # the message is still useful without the scan
         found = []
-    allowed = {n for e in _default_extras() for n in ([e[1]] if isinstance(e, tuple) else [class_name(e)])}
-    names = [n for n in found if n not in allowed]
+    ok = {n for e in (*_default_extras(), *allowed) for n in ([e[1]] if isinstance(e, tuple) else [class_name(e)])}
+    names = [n for n in found if n not in ok]
     if not names:
         names = re.findall(r"GLOBAL ([\w.]+)", message)
     return tuple(dict.fromkeys(names))

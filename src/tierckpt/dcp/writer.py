@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from tierckpt import guard, layout
+from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo as _StorageInfo
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp import node_commit
@@ -91,6 +91,7 @@ class _ItemInfo:
     xxh3: str
     file_size: int
     durable_error: str | None = None
+    memory_error: str | None = None  # this rank's memory tier failed: the step goes to the durable tier only
 
 
 class TieredStorageWriter(StorageWriter):
@@ -133,8 +134,14 @@ class TieredStorageWriter(StorageWriter):
         self.files_written: list[str] = []
         self._durable_exc: StorageError | None = None
         self._synchronize_after_execute = False  # stage() returns only once the copy landed
+        self._t_write: float | None = None  # when write_data began, for the commit-seconds metric
+        #: a Checkpointer passes its runtime and reports its own saves (tierckpt_saves_total ...):
+        #: only a writer used on its own (dcp.save, the integrations, the compat API) reports here
+        self.reports_metrics = _runtime is None
+        metrics.enable_from_env()  # TIERCKPT_METRICS_PORT: as Checkpointer, so DCP-plug-in users report too
         #: Checkpointer's hold on the commit: a reason not to commit (a non-finite loss), or None
         self._gate: Callable[[], str | None] | None = None
+        self._memory_failure: BaseException | None = None  # stage() fell back to process memory
 
     # -- identity -------------------------------------------------------------------
     @property
@@ -199,13 +206,20 @@ class TieredStorageWriter(StorageWriter):
     def should_synchronize_after_execute(self) -> bool:
         return False
 
+    #: whether ``stage`` may run before the step is known: ``dcp.async_save`` stages before it hands
+    #: ``checkpoint_id`` to ``reset``; a subclass that takes the step from it (the SageMaker API) sets this
+    stage_before_step = False
+
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Copy ``state_dict`` into a shared-memory slot; return the state dict DCP will save."""
-        step = self.step  # dcp.async_save stages first: fail before the copy if there is no step
+        # dcp.async_save stages first: fail before the copy if there is no step (unless it comes later)
+        step = self._step if self.stage_before_step else self.step
         try:
             snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
         except Exception as exc:
-            raise (err := guard.typed(exc, step=step)) from err.__cause__
+            from tierckpt import fallback  # fallback builds on this module
+
+            snap = fallback.stage_instead(self, guard.typed(exc, step=step), state_dict)
         snap.wait_copied()
         self._snapshot = snap
         return snap.state_dict
@@ -240,9 +254,11 @@ class TieredStorageWriter(StorageWriter):
     # -- writing --------------------------------------------------------------------
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         fut: Future[list[WriteResult]] = Future()
+        self._t_write = time.perf_counter()
         try:
             fut.set_result(self._write(plan, planner))
         except BaseException as exc:  # DCP collects the failure from the future
+            self._metric(metrics.dcp_failed, "memory")
             fut.set_exception(cast(Any, guard.typed(exc, step=self._step, tier="memory")))
         return fut
 
@@ -260,7 +276,14 @@ class TieredStorageWriter(StorageWriter):
         with rt.save_lock:
             rt.in_flight.add(pd.save_id)
             try:
-                results = self._write_locked(plan, planner, pd, rt, step, log)
+                try:
+                    if self._memory_failure is not None:
+                        raise self._memory_failure
+                    results = self._write_locked(plan, planner, pd, rt, step, log)
+                except Exception as exc:  # the memory tier failed: the durable tier, when this save writes it
+                    from tierckpt import fallback
+
+                    results = fallback.write_instead(self, exc, plan, planner, pd, log)
                 self._check_gate(abort=pd.save_id)  # every rank's last word before the coordinator commits
                 return results
             finally:
@@ -295,6 +318,7 @@ class TieredStorageWriter(StorageWriter):
             with log.timed(step, "In-memory write", snap.nbytes + len(extras)):
                 for name, source in files.items():
                     rt.memory.put_file(step, pd.save_id, name, source)
+            self._metric(metrics.dcp_written, "memory", snap.nbytes + len(extras))
             durable_error = None
             if self.durable:
                 durable = _durable_tier(rt, step)
@@ -302,6 +326,7 @@ class TieredStorageWriter(StorageWriter):
                     with log.timed(step, f"Durable write ({durable.location(step)})", snap.nbytes + len(extras)):
                         for name, source in files.items():
                             durable.put_file(step, pd.save_id, name, source)
+                    self._metric(metrics.dcp_written, "durable", snap.nbytes + len(extras))
                 except StorageError as exc:
                     durable_error = f"rank {self.rank}: {exc}"
                     self._durable_exc = exc  # the coordinator chains its own failure in finish
@@ -343,17 +368,22 @@ class TieredStorageWriter(StorageWriter):
         mf_raw = manifest.to_bytes()
         small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
         self._check_gate(abort=save_id)
-        rt.memory.commit(step, save_id, small)
+        from tierckpt import fallback
+
+        if fallback.commit_instead(self, infos.values(), save_id, small):
+            return  # the memory tier failed on some rank: committed to the durable tier only
         rt.committed_in_memory(step)
         self.committed = (md_raw, mf_raw)
         if self._plan_data is not None and self._plan_data.remote_nodes:
             node_commit.publish(rt, step, save_id, md_raw, mf_raw, log)
         log.info(step, "Committed to memory (%s), metadata %d bytes", rt.memory.location(step), len(md_raw))
+        self._metric(metrics.dcp_committed, "memory", step, self._since_write())
         rt.apply_retention(rt.memory, rt.memory_retention)
         if self.durable:
             durable = _durable_tier(rt, step)
             failed = sorted({i.durable_error for i in infos.values() if i.durable_error})
             if failed:
+                self._metric(metrics.dcp_failed, "durable")
                 raise DurableWriteError(
                     f"durable copy of step {step} failed on some rank (memory copy is committed): "
                     + "; ".join(failed),
@@ -362,12 +392,21 @@ class TieredStorageWriter(StorageWriter):
             try:
                 durable.commit(step, save_id, small)
             except StorageError as exc:
+                self._metric(metrics.dcp_failed, "durable")
                 raise DurableWriteError(
                     f"durable commit of step {step} failed (memory copy is committed): {exc}",
                     tier="durable", step=step,
                 ) from exc
             log.info(step, "Committed to durable (%s)", durable.location(step))
+            self._metric(metrics.dcp_committed, "durable", step, self._since_write())
             rt.apply_retention(durable, rt.durable_retention)
+
+    def _metric(self, hook: Any, tier: str, *args: Any) -> None:
+        if self.reports_metrics:
+            hook(self.config.namespace, tier, *args)
+
+    def _since_write(self) -> float:
+        return 0.0 if self._t_write is None else time.perf_counter() - self._t_write
 
 
 def _spans(

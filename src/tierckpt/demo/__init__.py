@@ -1,11 +1,14 @@
 """``tierckpt demo``: a job under ``tierckpt run`` loses a worker to SIGKILL and recovers by itself.
 
 The driver starts two ``tierckpt run`` agents on 127.0.0.1 (two "nodes", one worker each, gloo,
-each node its own memory tier), waits until the job has trained a while, SIGKILLs the worker
-under agent 1 and then only watches: the agents detect the crash, stop every worker, start the
-next generation, the workers resume from the memory tier and train to the end. It prints the
-detection and recovery times from the agents' events and the workers' traces, and checks that
-both ranks resumed the same step with the parameters saved at that step, bit for bit.
+each node its own memory tier), waits until the job has trained a while and every agent's
+standby interpreters are ready (the steady state the README's figure describes), SIGKILLs the
+worker under agent 1 and then only watches: the agents detect the crash, stop every worker,
+start the next generation, the workers resume from the memory tier and train to the end. It
+prints the time until both ranks train again (warm or cold) and each stage of it (detection,
+stop, hand-over, process group, load, first step) from the agents' events and the workers'
+traces, and checks that both ranks resumed the same step with the parameters saved at that
+step, bit for bit.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def run_demo(*, steps: int = 40, workdir: str = "demo-output", memory_dir: str =
     memory = [tempfile.mkdtemp(prefix=f"demo-node{n}-", dir=memory_dir) for n in (0, 1)]
     kill_at = max(4, steps // 3)
     print(f"tierckpt demo: tierckpt run, 2 nodes x 1 worker (gloo on 127.0.0.1), {steps} steps, a memory "
-          f"checkpoint every step;\n  SIGKILL of the worker on node 1 after step {kill_at}; logs in {work}")
+          f"checkpoint every step;\n  SIGKILL of the worker on node 1 after step {kill_at} once the standbys are ready; "
+          f"logs in {work}")
     procs = _start(work, memory, steps)
     try:
         return _watch(work, procs, kill_at)
@@ -84,9 +88,36 @@ def _last_step(work: Path, rank: int) -> int:
     return max((e["step"] for e in _jsonl(work / f"trace_rank{rank}.jsonl") if e["event"] == "step"), default=-1)
 
 
+def _standbys_ready(work: Path) -> bool:
+    """Every agent's standby interpreters (one per worker plus a spare) finished their imports."""
+    return all(len([e for e in _jsonl(work / f"events_node{n}.jsonl") if e["event"] == "standby" and "ready" in e])
+               >= 2 for n in (0, 1))
+
+
+def _stages(work: Path, t_kill: float, g: int) -> list[tuple[str, float]]:
+    """Seconds after the kill at which the slower node or rank reached each recovery stage."""
+    events = [e for n in (0, 1) for e in _jsonl(work / f"events_node{n}.jsonl")]
+    traces = {r: _jsonl(work / f"trace_rank{r}.jsonl") for r in (0, 1)}
+
+    def last(name: str, rank_events: bool = False) -> float:
+        if rank_events:
+            return max(min(e["time"] for e in traces[r] if e["event"] == name and e["generation"] == g)
+                       for r in (0, 1))
+        gen = g - 1 if name in ("fault", "stopped") else g
+        return max(e["time"] for e in events if e["event"] == name and e["generation"] == gen)
+
+    return [("detection (fault event)", min(e["time"] for e in events if e["event"] == "fault") - t_kill),
+            ("workers stopped on both nodes", last("stopped") - t_kill),
+            ("hand-over (restart events)", last("restart") - t_kill),
+            ("process group", last("pg", True) - t_kill),
+            ("state loaded from memory", last("resumed", True) - t_kill),
+            ("first training step", last("step", True) - t_kill)]
+
+
 def _watch(work: Path, procs: list[subprocess.Popen[bytes]], kill_at: int) -> int:
     deadline = time.monotonic() + 240
-    while _last_step(work, 1) < kill_at:
+    # the steady state: faults are rarer than a standby's imports (a few seconds)
+    while _last_step(work, 1) < kill_at or (not _standbys_ready(work) and time.monotonic() < deadline - 180):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             print(f"the job did not reach step {kill_at}; see {work}/agent*.log")
             return 1
@@ -118,6 +149,13 @@ def _watch(work: Path, procs: list[subprocess.Popen[bytes]], kill_at: int) -> in
     print(f"  resumed step {step} from the {', '.join(resumed[0]['tiers'] or [])} tier "
           f"(load {max(r['load_s'] for r in resumed.values()) * 1000:.1f} ms); "
           f"first training step after the restore {first - t_kill:.2f}s after the kill")
+    warm = all(next(e for e in traces[r] if e["event"] == "start" and e["generation"] == g)["warm"] for r in (0, 1))
+    print(f"  SIGKILL -> both ranks train again: {first - t_kill:.2f}s "
+          f"({'warm: standby interpreters took over' if warm else 'cold: no standby was ready'}); stages:")
+    prev = 0.0
+    for name, at in _stages(work, t_kill, g):
+        print(f"    {name:<32} +{at - prev:.2f}s  (at {at:.2f}s)")
+        prev = at
     print(f"  both ranks resumed the state saved at step {step}, bit for bit: {same}")
     print(f"  trained to step {_last_step(work, 0)}; agents exited {codes}")
     print("\nrecovered from SIGKILL by itself: " + ("OK" if same else "FAILED"))

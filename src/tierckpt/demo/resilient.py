@@ -20,6 +20,8 @@ first in-process generation only); traces then carry ``inproc`` (the in-process 
 the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
 the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
 (sleeps) instead, like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
+With ``--fault-file PATH`` a fault starts at the first step that finds the file instead of at
+``--fault-step``.
 """
 
 from __future__ import annotations
@@ -86,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-rank", type=int, default=-1, help="-1: every rank evaluates")
     ap.add_argument("--eval-idle", action="store_true")
     ap.add_argument("--eval-section-timeout", type=float, default=0.0)
+    ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (built once per process)")
     ap.add_argument("--inprocess", action="store_true", help="run under tierckpt.resilient: in-process restarts")
     args = ap.parse_args(argv)
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
-           warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None)
+           warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None,
+           resume_before=os.environ.get("TIERCKPT_RESUME_BEFORE"))
     if faulty and args.fault == "crash_on_start":
         print("crashing on start (as asked)", flush=True)
         return 3
@@ -170,28 +174,29 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                 p.grad /= world
             optim.step()
             value = float(loss)
-            if faulty and args.fault in ("nan", "exit", "raise", "hang") and step >= args.fault_step:
+            due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
+            if due and args.fault in ("nan", "exit", "raise", "hang"):
                 _trace(trace, "fault", step=step, fault=args.fault, inproc=inproc)
-            if faulty and args.fault == "nan" and step >= args.fault_step:
+            if due and args.fault == "nan":
                 value = math.nan
-            if faulty and args.fault == "exit" and step >= args.fault_step:
+            if due and args.fault == "exit":
                 print(f"exiting at step {step} (as asked)", flush=True)
                 sys.exit(3)
-            if faulty and args.fault == "raise" and step >= args.fault_step:
+            if due and args.fault == "raise":
                 raise RuntimeError(f"failing at step {step} (as asked)")
-            if faulty and args.fault == "hang" and step >= args.fault_step:
+            if due and args.fault == "hang":
                 print(f"blocking forever at step {step} (as asked)", flush=True)
                 import threading
 
                 threading.Event().wait()
-            if not (faulty and args.fault == "silent" and step >= args.fault_step):
+            if not (due and args.fault == "silent"):
                 print(f"Batch {step} Loss: {value:.5f}, Speed: {64 / max(time.time() - t_step, 1e-6):.2f} samples/sec",
                       flush=True)
             monitor.step(step, loss=value)
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
             _trace(trace, "step", step=step, digest=_digest(model), inproc=inproc,
-                   **({"forward_s": t_fwd} if first else {}))
+                   **({"forward_s": t_fwd} if first else {}), **({"fault": args.fault} if due else {}))
             first = False
             if args.eval_every and step % args.eval_every == 0:
                 seconds = args.eval_s if args.eval_rank in (-1, rank) else 0.0

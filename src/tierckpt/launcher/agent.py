@@ -30,10 +30,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
+from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
-from tierckpt.launcher.escalation import Action, Decision, Fault
+from tierckpt.launcher.escalation import Action, Decision, Fault, restarts_before
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
@@ -41,11 +42,14 @@ from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
+from tierckpt.launcher.rdzvwait import RendezvousProgress
+from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.rules import RuleMonitor
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
+from tierckpt.launcher.watchdog import start_watchdog
 from tierckpt.launcher.workers import start_context, static_env, worker_envs
-from tierckpt.monitor import read_beat
+from tierckpt.monitor import NON_FINITE_LOSS, read_beat
 from tierckpt.tiers.local import pid_alive
 
 __all__ = ["TierckptAgent"]
@@ -57,7 +61,7 @@ class TierckptAgent(LocalElasticAgent):
 
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, opts: RunOptions, *,
                  start_method: str = "spawn", log_line_prefix_template: str | None = None,
-                 shutdown_timeout: int = 30) -> None:
+                 shutdown_timeout: int = 30, reaper: Reaper | None = None) -> None:
         super().__init__(spec, logs_specs, start_method=start_method,
                          log_line_prefix_template=log_line_prefix_template, shutdown_timeout=shutdown_timeout)
         self.opts = opts
@@ -76,7 +80,8 @@ class TierckptAgent(LocalElasticAgent):
         self._learned = Profile()  # hang evidence of earlier generations (hang.py; kept in the state file)
         self._busy: BusyBoard | None = None  # which nodes have a busy silent rank (from the first rendezvous)
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
-        self.events = Events(opts.events_path, node=socket.gethostname(), metrics_port=opts.metrics_port)
+        # ``node`` is the group rank, known from the first rendezvous on (None before it)
+        self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
         self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess.py)
         self._calibrated_reported = False
         self._node_agent: Any = None
@@ -87,6 +92,16 @@ class TierckptAgent(LocalElasticAgent):
         self._died_seen = 0
         self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
         self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
+        self._reaper = reaper  # stops the workers and claims LostNode if this process dies (reaper.py)
+        self._store_addr: tuple[str, int] | None = None
+        self._held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
+        self._stable_rank: int | None = None  # this round's group rank, set in _assign_worker_ranks
+        self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
+        self._past_marked = False  # this node told the store that this generation moved past it
+        self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
+        self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
+        self._polled_at = time.monotonic()  # the poll before the current one
+        self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -95,7 +110,8 @@ class TierckptAgent(LocalElasticAgent):
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
         restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
                            {"next_generation": next_generation, "full_restarts": full_restarts,
-                            "job_started": self._job_started, "hang": self._learn().to_dict()})
+                            "job_started": self._job_started, "hang": self._learn().to_dict(),
+                            "restarts": self._restarts, "resume_before": self.resume_before})
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -113,9 +129,29 @@ class TierckptAgent(LocalElasticAgent):
         return int(self._worker_group.group_world_size or 1)
 
     # ---- rendezvous + generation ----
+    def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
+                             spec: WorkerSpec) -> list[Any]:
+        """torch's rank assignment, but from the group rank this node held before (ranks.py)
+        instead of torch's arrival order; called by torch's ``_rendezvous`` once per round."""
+        run_id = spec.rdzv_handler.get_run_id()
+        memory_dir = self.opts.memory_dir
+        survivor = self._held_rank is not None
+        prior = self._held_rank if survivor else ranks.load_prior(memory_dir, run_id)
+        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir))
+        stable = ranks.exchange(store, group_rank, group_world_size, claim)
+        self._stable_rank = stable
+        return super()._assign_worker_ranks(store, stable, group_world_size, spec)
+
     def _join(self) -> None:
         wg = self._worker_group
-        super()._rendezvous(wg)
+        with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"):
+            super()._rendezvous(wg)
+        if self._stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
+            wg.group_rank = self._stable_rank  # type: ignore[assignment]  # torch annotates it None
+        self._held_rank = self.node
+        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
+        if problem is not None:
+            self.events.emit("warning", generation=self.generation, what=problem)
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
@@ -123,10 +159,13 @@ class TierckptAgent(LocalElasticAgent):
         st = self._load_state()
         self._learned.merge(Profile.from_dict(st.get("hang")))
         self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
+        resume.offer(job_store, int(st.get("next_generation", 0)), st.get("resume_before"))
         self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
+        self.resume_before = resume.agreed(job_store, self.generation)
         self.events.node = self.node
+        self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
             host, port = job_store.host, job_store.port
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
@@ -163,10 +202,13 @@ class TierckptAgent(LocalElasticAgent):
         worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]
         shutil.rmtree(self._beat_dir, ignore_errors=True)
         os.makedirs(self._beat_dir)
-        envs, args = worker_envs(worker_group, generation=g, addr=addr, port=port,
-                                 static=static_env(self.opts, self._beat_dir),
+        static = static_env(self.opts, self._beat_dir)
+        if self.resume_before is not None:
+            static[resume.ENV] = str(self.resume_before)
+        envs, args = worker_envs(worker_group, generation=g, addr=addr, port=port, static=static,
                                  set_local_rank_env=lambda env, lr: self._set_local_rank_env(
                                      env, lr, worker_group.spec))  # type: ignore[arg-type]
+        self._torch_watchdogs(envs)
         if self._logs_specs is None:
             raise RuntimeError("tierckpt run: the agent has no logs spec")
         self._pcontext, self.warm_ranks = start_context(
@@ -175,6 +217,20 @@ class TierckptAgent(LocalElasticAgent):
         self._arm_detectors(worker_group)
         self._inproc.arm(self._beat_dir, [w.local_rank for w in worker_group.workers])
         return self._pcontext.pids()
+
+    def _torch_watchdogs(self, envs: dict[int, dict[str, str]]) -> None:
+        """torchrun's worker watchdog and health-check server, which torch's own ``_start_workers``
+        (replaced here) sets up: ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` starts a file-timer server
+        per generation (watchdog.py: an expired timer SIGKILLs its worker, a ``Crash`` here, but
+        not the agent as torch's does); ``TORCHELASTIC_HEALTH_CHECK_PORT`` starts torch's
+        health-check server once, fed by that watchdog as under torchrun (a no-op stub in
+        open-source torch)."""
+        old = getattr(self, "_worker_watchdog", None)
+        if old is not None:
+            old.stop()
+        self._worker_watchdog = start_watchdog(envs, self._worker_group.spec.rdzv_handler.get_run_id())
+        if getattr(self, "_health_check_server", None) is None and hasattr(self, "_setup_healthcheck"):
+            self._setup_healthcheck()
 
     def _start_pool(self) -> None:
         """Standby interpreters for warm (re)starts, spawned now so they import torch during the rendezvous."""
@@ -187,8 +243,8 @@ class TierckptAgent(LocalElasticAgent):
         self._pool.fill()
 
     def _maybe_refill(self) -> None:
-        """Replace consumed standbys once the new workers beat (or after ``refill_after_s``): their
-        imports would otherwise compete with the restart they follow for the CPU."""
+        """Replace consumed standbys at once, at SCHED_IDLE: their imports take only CPU that the
+        restarted workers leave, and the spares (``WarmPolicy.spare``) serve a fault meanwhile."""
         pool = self._pool
         if pool is None:
             return
@@ -196,11 +252,9 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("standby", generation=self.generation, ready=sb.pid,
                              import_s=round(sb.ready_after_s or 0.0, 3))
         if pool.short:
-            beaten = self._all_beat()
-            if beaten or time.time() - self._gen_started >= self.opts.warm.refill_after_s:
-                started = pool.fill()
-                if started:
-                    self.events.emit("standby", generation=self.generation, started=started)
+            started = pool.fill(idle=True)
+            if started:
+                self.events.emit("standby", generation=self.generation, started=started)
         for pid, code in pool.died[self._died_seen:]:
             self.events.emit("warning", generation=self.generation,
                              what=f"standby {pid} exited with {code} before use; a new one replaces it")
@@ -221,6 +275,27 @@ class TierckptAgent(LocalElasticAgent):
                     if path:
                         self._rules[(local_rank, path)] = (LineReader(path), RuleMonitor(rules, now))
         self._calibrated_reported = False
+        self._past_marked = False
+
+    def _watch_resume(self) -> None:
+        """Tell the store once per generation that this node's ranks moved past the resume bound."""
+        bound = self.resume_before
+        if bound is None or self._past_marked or self._ctl is None:
+            return
+        if resume.moved_past(((t.step, t.non_finite) for t in self._trackers.values()), bound):
+            resume.mark_past(self.ctl.store, self.generation)
+            self._past_marked = True
+
+    def _report_recovery(self) -> None:
+        """``recovered``: every local rank of the restarted generation took its first step (beat)."""
+        if self._recovering is None or not self._all_beat():
+            return
+        recovery = time.monotonic() - self._recovering
+        self._recovering = None
+        self.events.recovery.set(recovery)
+        self.events.downtime.inc(recovery)
+        self.events.emit("recovered", generation=self.generation, recovery_s=round(recovery, 3),
+                         step=self._progress())
 
     def _rearm_trackers(self) -> None:
         """After an in-process restart: the steps went back and paused, as at a start."""
@@ -245,7 +320,13 @@ class TierckptAgent(LocalElasticAgent):
             rank, failure = sorted(result.failures.items())[0] if result.failures else (None, None)
             code = getattr(failure, "exitcode", None)
             detail = f"exit code {code}" if code is None or code >= 0 else f"killed by {signal.Signals(-code).name}"
-            return self._record("Crash", rank, detail, since=None)
+            dog = getattr(self, "_worker_watchdog", None)
+            pid = getattr(failure, "pid", None)
+            if dog is not None and pid in dog.expired:
+                detail += f" (torch's file timer {dog.expired[pid]!r} expired)"
+            # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
+            return self._record("Crash", rank, detail,
+                                since=self._woke_at if self._woke_at is not None else self._polled_at)
         for local_rank, tr in self._trackers.items():
             tr.observe(read_beat(os.path.join(self._beat_dir, f"beat_{local_rank}")), now)
         # silent ranks' processes from /proc: stopped, idle or busy (hang.py)
@@ -310,12 +391,18 @@ class TierckptAgent(LocalElasticAgent):
     def _record(self, reason: str, rank: int | None, detail: str, *, since: float | None,
                 node: int | None = None) -> dict[str, Any]:
         now = time.monotonic()
+        nan_steps = [t.step for t in self._trackers.values() if t.non_finite and t.step is not None]
         return {
             "generation": self.generation, "time": time.time(), "generation_started": self._gen_started,
             "reason": reason, "node": self.node if node is None else node, "rank": rank,
             "detail": detail, "first_beat": self._all_beat(),
-            "step": self._progress(), "resumed_step": self.resumed_step,
-            # from the last sign of life to now (None for a crash: its moment is not observed)
+            # a non-finite loss: the step of the first non-finite beat seen (a NaN that comes back
+            # at that step is no progress, however far the worker ran before the poll); the next
+            # generations resume below it
+            "step": min(nan_steps) if reason == NON_FINITE_LOSS and nan_steps else self._progress(),
+            "resumed_step": self.resumed_step,
+            "resume_before": min(nan_steps) if reason == NON_FINITE_LOSS and nan_steps else None,
+            # from the last sign of life (a crash: the SIGCHLD wake-up) to now
             "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),
         }
 
@@ -325,7 +412,7 @@ class TierckptAgent(LocalElasticAgent):
             return self._loop()
         except _store_errors() as exc:  # the rendezvous store (its host agent) is gone
             self._stop_now()
-            self.events.emit("fault", generation=self.generation, reason="LostStore", node=None, rank=None,
+            self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None,
                              detail=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self._persist(barrier=False)
             self.exit_code = FULL_RESTART_EXIT
@@ -404,7 +491,8 @@ class TierckptAgent(LocalElasticAgent):
         while True:
             # a worker's exit (SIGCHLD) ends the wait at once (wake.py); another node's claim is
             # seen at this poll
-            self._waker.wait(spec.monitor_interval)
+            woke = self._waker.wait(spec.monitor_interval)
+            self._woke_at = time.monotonic() if woke else None
             result = self._monitor_workers(wg)
             wg.state = result.state
             self._maybe_refill()
@@ -419,9 +507,12 @@ class TierckptAgent(LocalElasticAgent):
             progress = self._progress()
             if progress is not None:
                 self.events.step.set(progress)
+            self._watch_resume()
+            self._report_recovery()
             claimed = self.ctl.claimed(self.generation)
             if claimed is None:
                 local = self._detect(result)
+                self._polled_at = time.monotonic()
                 if local is None:
                     continue
                 claimed = self.ctl.claim(self.generation, local)
@@ -434,12 +525,19 @@ class TierckptAgent(LocalElasticAgent):
         for local_rank, pid in ids.items():
             wg.workers[local_rank].id = pid
         wg.state = WorkerState.HEALTHY
+        if self._reaper is not None:
+            self._reaper.update(store=self._store_addr, generation=self.generation, node=self.node,
+                                generation_started=self._gen_started, resumed_step=self.resumed_step,
+                                events=self.opts.events_path)
+            self._reaper.watch(list(ids.values()))
 
     def _recover(self, fault: dict[str, Any]) -> RunResult | None:
         """Stop, agree, decide; restart in place (None) or end the run (a RunResult)."""
         wg = self._worker_group
         t_detect = time.monotonic()
         g = self.generation
+        self._watch_resume()  # the beats observed by the poll that found the fault count too
+        self._recovering = None
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
                          detection_latency_s=fault.get("detection_latency_s"),
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
@@ -451,10 +549,15 @@ class TierckptAgent(LocalElasticAgent):
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self.ctl.stopped(g)
         history = self._history = [_fault_of(r) for r in self.ctl.history(g)]
-        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
+        prior = restarts_before(history)
+        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts, prior_restarts=prior,
                                                seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
+        self._restarts = prior + len(history)
         all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
+        # after the stop barrier every node's mark for g is in: all compute the same bound
+        self.resume_before = resume.advance(self.resume_before, fault,
+                                            resume.passed(self.ctl.store, g, self.nnodes))
         if decision.action != Action.RESTART:
             return self._finish(decision, all_here)
         self._save_state(g + 1, self.full_restarts)
@@ -470,13 +573,12 @@ class TierckptAgent(LocalElasticAgent):
             self._join()
             self.generation = max(self.generation, g + 1)
             self._start_workers_logged(wg)
-        recovery = time.monotonic() - t_detect
-        self.events.recovery.set(recovery)
-        self.events.downtime.inc(recovery)
+        handover = time.monotonic() - t_detect
+        self._recovering = t_detect  # recovery_s: at the first beat of every local rank (_report_recovery)
         if fault.get("detection_latency_s") is not None:
             self.events.detection.set(float(fault["detection_latency_s"]))
         self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
-                         why=decision.reason, recovery_s=round(recovery, 3),
+                         why=decision.reason, handover_s=round(handover, 3), resume_before=self.resume_before,
                          pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
         return None
 
@@ -536,6 +638,14 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        if self._reaper is not None:  # before the slow parts: the workers were stopped already
+            self._reaper.close()
+            self._reaper = None
+        for name in ("_worker_watchdog", "_health_check_server"):
+            server = getattr(self, name, None)
+            if server is not None:
+                server.stop()
+                setattr(self, name, None)
         drain_closers()
         if self._pool is not None:
             self._pool.close()

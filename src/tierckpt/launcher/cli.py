@@ -28,6 +28,9 @@ log = logging.getLogger("tierckpt.run")
 
 _FAST_RDZV = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
+#: restarts in all when neither --max-restarts nor runPolicy.jobMaxRetryCount is given
+DEFAULT_MAX_RESTARTS = 10
+
 
 def build_parser() -> ArgumentParser:
     from torch.distributed.run import get_args_parser
@@ -38,6 +41,13 @@ def build_parser() -> ArgumentParser:
                      "nodes, restarts every worker in place with a new job-wide generation, and escalates per the "
                      "HyperPod runPolicy. Exit codes: 0 done, 1 failed, 2 bad arguments or job file, "
                      "75 full job restart needed, 128+N signal N.")
+    for action in p._actions:  # torchrun's own option, with tierckpt's default (None: not given)
+        if action.dest == "max_restarts":
+            action.default = None
+            action.help = (f"restarts in all before the job fails (default {DEFAULT_MAX_RESTARTS}, torchrun's is 0: "
+                           "a long job meets several faults, a lost node, a NaN, a preemption, and should recover "
+                           "from each; a fault that repeats is stopped sooner by CrashLoop and NoProgress). "
+                           "runPolicy.jobMaxRetryCount in --job overrides it; counted across full job restarts")
     g = p.add_argument_group("tierckpt")
     g.add_argument("--job", help="HyperPodPyTorchJob YAML (or just its runPolicy mapping): restart policy, log rules")
     g.add_argument("--namespace", help="exported to workers as TIERCKPT_NAMESPACE")
@@ -58,13 +68,19 @@ def build_parser() -> ArgumentParser:
                    help="SIGTERM grace (s) before SIGKILL when a fault stops workers (default: SIGKILL at once)")
     g.add_argument("--warm-workers", default="auto",
                    help="standby interpreters per agent, torch imported ahead, that become the workers of a "
-                   "(re)start: 'auto' (one per local worker), N, or 0 (off; also --no-warm)")
+                   "(re)start: 'auto' (one per local worker), N, or 0 (off; also --no-warm); as many again are "
+                   "kept as spares (importing at idle priority) so a fault right after a restart is warm too")
     g.add_argument("--no-warm", action="store_true", help="every worker start is cold (same as --warm-workers 0)")
     g.add_argument("--warm-imports", default="",
                    help="comma-separated modules the standbys import ahead beside torch (e.g. the script's models)")
-    a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given and no "
-                             "agent already serves the memory root)")
-    a.add_argument("--replicas", type=int, help="peer copies of this node's newest memory step (tierckpt agent)")
+    a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given, or by "
+                             "default on several nodes without --durable-url, unless an agent already serves the "
+                             "memory root)")
+    a.add_argument("--replicas", type=int,
+                   help="peer copies of this node's newest memory step (tierckpt agent). Default: 1 when --nnodes "
+                   "is more than 1 and there is no --durable-url (a lost node's steps survive on a peer; a global "
+                   "checkpoint stays loadable), else none. 0 opts out: a lost node then loses the steps only its "
+                   "memory tier held")
     a.add_argument("--peers", help="the other nodes' agents, host:port,host:port")
     a.add_argument("--agent-listen", default=None, help="HOST:PORT the hosted agent listens on for peers "
                    "(default 127.0.0.1:0; anything but loopback needs a secret)")
@@ -74,20 +90,44 @@ def build_parser() -> ArgumentParser:
 
 
 def _agent_config(args: Namespace) -> Any:
-    """The hosted node agent's config, or None when no agent option was given."""
-    if args.replicas is None and args.peers is None and args.memory_budget is None:
+    """The hosted node agent's config, or None when none is hosted.
+
+    Several nodes with no durable tier replicate by default (``--replicas 1``): otherwise a
+    lost node takes with it the only copy of its ranks' files, and a global checkpoint cannot
+    be loaded by anyone. ``--replicas 0`` opts out, with a one-line warning.
+    """
+    replicas = args.replicas
+    if replicas is None and _max_nodes(args.nnodes) > 1 and not args.durable_url:
+        replicas = 1  # the safe default (--help says so)
+    if replicas == 0 and args.peers is None and args.memory_budget is None:
+        if _max_nodes(args.nnodes) > 1 and not args.durable_url:
+            print(f"tierckpt run: warning: --replicas 0 and no --durable-url on {args.nnodes} nodes: a lost node "
+                  "loses the steps only its memory tier held", file=sys.stderr)
+        return None
+    if replicas is None and args.peers is None and args.memory_budget is None:
         return None
     from tierckpt.agent.config import AgentConfig, node_ram_bytes, parse_address, parse_budget, read_secret
+    from tierckpt.config import DEFAULT_MEMORY_DIR
 
-    if not args.memory_dir:
+    if args.memory_dir is None and (args.replicas is not None or args.peers is not None
+                                    or args.memory_budget is not None):
         raise TierckptError("--replicas/--peers/--memory-budget need --memory-dir (the node's memory tier)")
     peers = tuple(parse_address(x) for x in (args.peers or "").split(",") if x.strip())
-    return AgentConfig(memory_dir=args.memory_dir, listen=parse_address(args.agent_listen or "127.0.0.1:0"),
-                       peers=peers, replicas=1 if args.replicas is None else args.replicas,
+    # by default the workers' memory tier is the library's default root: serve that one
+    return AgentConfig(memory_dir=args.memory_dir or DEFAULT_MEMORY_DIR, listen=parse_address(args.agent_listen or "127.0.0.1:0"),
+                       peers=peers, replicas=1 if replicas is None else replicas,
                        secret=read_secret(args.agent_secret_file),
                        budget_bytes=None if args.memory_budget is None else parse_budget(args.memory_budget,
                                                                                        node_ram_bytes()),
                        durable_url=args.durable_url)
+
+
+def _max_nodes(nnodes: str) -> int:
+    """The most nodes torchrun's ``--nnodes`` (N or MIN:MAX) admits; 1 when it does not parse (torch reports it)."""
+    try:
+        return int(str(nnodes).rsplit(":", 1)[-1])
+    except ValueError:
+        return 1
 
 
 def _options(args: Namespace) -> Any:
@@ -111,9 +151,14 @@ def _options(args: Namespace) -> Any:
             raise TierckptError(f"--heartbeat-timeout must be 'auto' or seconds, got {args.heartbeat_timeout!r}") from None
         if not math.isfinite(fixed) or fixed <= 0:
             raise TierckptError(f"--heartbeat-timeout must be positive, got {args.heartbeat_timeout!r}")
-    overrides = {}
-    if policy.job_max_retry_count is None:
-        overrides["job_max_retry_count"] = args.max_restarts
+    overrides: dict[str, Any] = {}
+    if policy.job_max_retry_count is not None:
+        overrides["job_max_retry_source"] = f"runPolicy.jobMaxRetryCount {policy.job_max_retry_count}"
+    elif args.max_restarts is not None:
+        overrides.update(job_max_retry_count=args.max_restarts, job_max_retry_source=f"--max-restarts {args.max_restarts}")
+    else:
+        overrides.update(job_max_retry_count=DEFAULT_MAX_RESTARTS,
+                         job_max_retry_source=f"--max-restarts (default {DEFAULT_MAX_RESTARTS})")
     return RunOptions(
         namespace=args.namespace, memory_dir=args.memory_dir, durable_url=args.durable_url,
         events_path=args.events, metrics_port=args.metrics_port,
@@ -121,7 +166,7 @@ def _options(args: Namespace) -> Any:
                                   hang=_hang_policy(args)),
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=_agent_config(args),
-        warm=_warm_policy(args),
+        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "",
     )
 
 
@@ -144,14 +189,15 @@ def _warm_policy(args: Namespace) -> Any:
     if args.no_warm:
         return WarmPolicy(workers=0, imports=imports)
     if args.warm_workers == "auto":
-        return WarmPolicy(workers=_local_workers(args.nproc_per_node), imports=imports)
+        n = _local_workers(args.nproc_per_node)
+        return WarmPolicy(workers=n, spare=n, imports=imports)
     try:
         n = int(args.warm_workers)
     except ValueError:
         raise TierckptError(f"--warm-workers must be 'auto' or a count, got {args.warm_workers!r}") from None
     if n < 0:
         raise TierckptError(f"--warm-workers must be 0 or more, got {n}")
-    return WarmPolicy(workers=n, imports=imports)
+    return WarmPolicy(workers=n, spare=n, imports=imports)
 
 
 def _local_workers(nproc: str) -> int:
@@ -169,13 +215,21 @@ def _local_workers(nproc: str) -> int:
 
 def _validate(args: Namespace) -> None:
     from tierckpt.config import DurableLocation, validate_namespace
+    from tierckpt.launcher import preflight
 
     if args.namespace is not None:
         validate_namespace(args.namespace)
     if args.durable_url is not None:
         DurableLocation.parse(args.durable_url)
-    if args.memory_dir is not None and not os.path.isabs(args.memory_dir):
-        raise TierckptError(f"--memory-dir must be an absolute path, got {args.memory_dir!r}")
+    if args.memory_dir is not None:
+        if not os.path.isabs(args.memory_dir):
+            raise TierckptError(f"--memory-dir must be an absolute path, got {args.memory_dir!r}")
+        preflight.check_writable_dir("--memory-dir", args.memory_dir)
+    if args.events is not None:
+        preflight.check_writable_file("--events", args.events)
+    if not args.standalone and args.rdzv_endpoint:
+        preflight.check_endpoint(args.rdzv_endpoint)
+    preflight.check_script(args.training_script, module=args.module, no_python=args.no_python)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -199,6 +253,7 @@ def launch(args: Namespace, opts: Any) -> int:
 
     from tierckpt.launcher.agent import TierckptAgent
     from tierckpt.launcher.options import FULL_RESTART_EXIT
+    from tierckpt.launcher.reaper import Reaper
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -206,6 +261,8 @@ def launch(args: Namespace, opts: Any) -> int:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
+    if args.max_restarts is None:
+        args.max_restarts = DEFAULT_MAX_RESTARTS
     if args.tee == "0" and args.redirects == "0":
         args.tee = "3"  # worker output to the console with rank prefixes, and to files for the log rules
     if args.rdzv_backend == "c10d":
@@ -222,16 +279,25 @@ def launch(args: Namespace, opts: Any) -> int:
     # with the shared store a rank-0 survivor never republishes MASTER_ADDR for a new round, so
     # a replacement node would wait forever in its first rendezvous
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    # forked before torch's rendezvous handler starts its store threads; stops the workers if
+    # this process dies (reaper.py)
+    reaper = Reaper.fork()
+    try:
+        rdzv_handler = rdzv_registry.get_rendezvous_handler(params)
+    except BaseException:
+        reaper.close()
+        raise
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
-                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=config.max_restarts,
+                      rdzv_handler=rdzv_handler, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, master_addr=master_addr, master_port=master_port,
                       local_addr=config.local_addr, duplicate_stdout_filters=config.duplicate_stdout_filters,
                       duplicate_stderr_filters=config.duplicate_stderr_filters, numa_options=config.numa_options)
     if config.logs_specs is None:  # torch's config_from_args always sets it; a changed torch would not
+        reaper.close()
         raise ConfigError("torch's launcher config came without logs_specs (an unsupported torch version?)")
     agent = TierckptAgent(spec, config.logs_specs, opts, start_method=config.start_method,
                           log_line_prefix_template=config.log_line_prefix_template,
-                          shutdown_timeout=int(config.shutdown_timeout or 30))
+                          shutdown_timeout=int(config.shutdown_timeout or 30), reaper=reaper)
     shutdown_rdzv = True
     try:
         result = agent.run()

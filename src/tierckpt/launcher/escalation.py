@@ -54,7 +54,7 @@ from typing import Any
 from tierckpt.errors import ConfigError, ProtocolError
 from tierckpt.launcher.jobspec import RunPolicy
 
-__all__ = ["ACTIVE_DEADLINE", "FAULT_DEADLINE", "Action", "Decision", "EscalationPolicy", "Fault"]
+__all__ = ["ACTIVE_DEADLINE", "FAULT_DEADLINE", "Action", "Decision", "EscalationPolicy", "Fault", "restarts_before"]
 
 ACTIVE_DEADLINE = "ActiveDeadline"
 FAULT_DEADLINE = "FaultDeadline"
@@ -124,6 +124,9 @@ class EscalationPolicy:
     no_progress_limit: int = 3
     fault_deadline_s: float | None = None
     active_deadline_s: float | None = None
+    #: the option that set ``job_max_retry_count``, as the exit reason names it (e.g.
+    #: ``--max-restarts (default 10)``, ``runPolicy.jobMaxRetryCount 5``); None: ``jobMaxRetryCount (N)``
+    job_max_retry_source: str | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -294,11 +297,24 @@ class EscalationPolicy:
             )
         limit = self.job_max_retry_count
         if limit is not None and prior_restarts + len(history) > limit:
-            return f"jobMaxRetryCount ({limit}) reached", (
+            source = self.job_max_retry_source or f"jobMaxRetryCount ({limit})"
+            option = source.split(" ", 1)[0]
+            return f"{source} reached", (
                 f"{prior_restarts + len(history) - 1} restart(s) done; the last fault was {last.reason}: "
-                "fix it, or raise jobMaxRetryCount"
+                f"fix it, or raise {option}"
             )
         return None
+
+
+def restarts_before(history: Sequence[Fault]) -> int:
+    """Restarts the job made before ``history`` began (``decide``'s ``prior_restarts``).
+
+    The generation counts restarts: each claimed fault moves it by one, a full job restart too,
+    and the restart-state file carries it across full job restarts (every node agrees on it at
+    the rendezvous). So the first fault of an incarnation's history happened in generation G0
+    after G0 restarts, on every node alike, a replacement node included.
+    """
+    return history[0].generation if history else 0
 
 
 def _no_progress(fault: Fault, previous: Fault | None) -> bool:

@@ -1,12 +1,13 @@
 """What a user of ``tierckpt run`` sees: JSON-lines events, Prometheus metrics, log lines.
 
-    ev = Events(path="events.jsonl", node=0, metrics_port=9400)
+    ev = Events(path="events.jsonl", node=0, metrics_port=9400, host="trn-17")
     ev.emit("fault", generation=3, reason="Hang", rank=1, detail="...")
     ev.close()
 
 One JSON object per line, flushed at once: ``event`` (``started``, ``fault``, ``stopped``,
 ``restart``, ``exit``, ``timeout``, ``warning``), ``time`` (Unix seconds), ``generation``,
-``node``, and the event's own fields (a fault: ``reason``, ``rank``; a restart: ``kind``
+``node`` (the node's index, its group rank; None before the first rendezvous), ``host``
+(its hostname), and the event's own fields (a fault: ``reason``, ``rank``; a restart: ``kind``
 ``process`` or ``job``; an exit: ``code``). Each event also goes to the ``tierckpt.run`` logger
 and updates the metrics.
 """
@@ -30,8 +31,10 @@ log = logging.getLogger("tierckpt.run")
 class Events:
     """The event sink of one agent (node)."""
 
-    def __init__(self, path: str | None, node: int | str, metrics_port: int | None = None) -> None:
+    def __init__(self, path: str | None, node: int | None, metrics_port: int | None = None, *,
+                 host: str | None = None) -> None:
         self.node = node
+        self.host = host
         self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()
         reg = self.registry = Registry()
@@ -41,7 +44,7 @@ class Events:
         self.detection = reg.gauge("tierckpt_run_last_detection_latency_seconds",
                                    "From the fault's last sign of life to its detection")
         self.recovery = reg.gauge("tierckpt_run_last_recovery_seconds",
-                                  "From detection to the workers of the next generation started")
+                                  "From detection to the first step (heartbeat) of every local rank of the next generation")
         self.generation = reg.gauge("tierckpt_run_generation", "Current restart generation (job-wide)")
         self.step = reg.gauge("tierckpt_run_newest_step", "Newest training step reported by a heartbeat")
         self.hb_timeout = reg.gauge("tierckpt_run_heartbeat_timeout_seconds", "Current hang timeout")
@@ -51,7 +54,7 @@ class Events:
 
     def emit(self, event: str, *, generation: int, **fields: Any) -> dict[str, Any]:
         rec: dict[str, Any] = {"event": event, "time": round(time.time(), 6), "generation": generation,
-                               "node": self.node}
+                               "node": self.node, "host": self.host}
         rec.update(fields)
         self.generation.set(generation)
         if event == "fault":

@@ -31,6 +31,7 @@ class RunOptions:
     node_timeout_s                         an agent silent this long is a lost node
     stop_grace_s                           SIGTERM grace before SIGKILL when a fault stops workers
     agent                                  a node agent to host (None: none, or one runs already)
+    rdzv_endpoint                          HOST:PORT named in rendezvous progress lines ('' unknown)
     warm                                   standby interpreters for warm (re)starts (0: off)
     """
 
@@ -47,3 +48,4 @@ class RunOptions:
     liveness_interval_s: float = 0.5
     warm: WarmPolicy = field(default_factory=WarmPolicy)
     agent: Any = None  # tierckpt.agent.AgentConfig: host a node agent (replication, budget, flush)
+    rdzv_endpoint: str = ""

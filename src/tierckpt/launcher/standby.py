@@ -4,11 +4,12 @@ Started by the agent (``tierckpt.launcher.warm.StandbyPool``) as
 
     python -u -m tierckpt.launcher.standby FD MODULE,MODULE... SPAWN_TIME
 
-Call order: import torch, the modules the DDP constructor imports lazily, and the user's
+Call order (a spare is put at ``SCHED_IDLE`` by the agent as it is spawned, and back to
+``SCHED_OTHER`` as a rank is handed to it): import torch, the modules the DDP constructor imports lazily, and the user's
 ``--warm-imports`` (a failing import is reported on stderr and skipped: the script will meet
 it again itself); ``gc.freeze()`` what they created; never touch CUDA; send ``R`` on the socket FD (ready); block until the agent
 hands over a rank: one SEQPACKET message, JSON ``{"env", "args", "cwd"}`` with the worker's
-stdout and stderr as SCM_RIGHTS descriptors. Then put those on fds 1 and 2, take the
+stdout and stderr as SCM_RIGHTS descriptors. Then return every thread to ``SCHED_OTHER``, put those on fds 1 and 2, take the
 environment, cwd and argv, and run the script as ``__main__`` (``runpy``), exactly as
 ``python -u -m mod ...`` or ``python -u script.py ...`` would. Its exit is the worker's exit.
 
@@ -97,8 +98,35 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     return json.loads(data.decode()), list(fds)
 
 
+def set_idle(idle: bool, pid: int | None = None) -> None:
+    """``SCHED_IDLE`` (True) or ``SCHED_OTHER`` (False) for every thread of process ``pid`` (None:
+    this one).
+
+    Linux lets an unprivileged process leave ``SCHED_IDLE`` for ``SCHED_OTHER`` at its own nice
+    value (unlike a raised nice value, which it could not lower again), for its own threads and
+    those of its user's processes; threads created while idle inherit it, so all are switched.
+    A refusal leaves the policy as it was (reported on stderr).
+    """
+    policy = getattr(os, "SCHED_IDLE" if idle else "SCHED_OTHER", None)
+    if policy is None:  # not Linux
+        return
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
+    except OSError:
+        tids = [0] if pid is None else [pid]
+    for tid in tids:
+        try:
+            os.sched_setscheduler(tid, policy, os.sched_param(0))
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+        except OSError as exc:
+            print(f"tierckpt standby: scheduling policy not changed ({exc})", file=sys.stderr, flush=True)
+            return
+
+
 def _take_over(job: dict[str, Any], fds: list[int]) -> None:
-    """Become the worker: descriptors, environment, cwd."""
+    """Become the worker: scheduling, descriptors, environment, cwd."""
+    set_idle(False)
     sys.stdout.flush()
     sys.stderr.flush()
     for target, fd in zip((1, 2), fds, strict=False):

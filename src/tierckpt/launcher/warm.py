@@ -2,14 +2,16 @@
 
 Call order (agent side; the standby's side is ``tierckpt.launcher.standby``):
   1. ``StandbyPool(policy, entrypoint, base_env)``, then ``fill()`` as the agent starts: it
-     spawns ``policy.workers`` standbys (each imports torch while the rendezvous runs).
+     spawns ``policy.workers`` standbys (each imports torch while the rendezvous runs) and
+     ``policy.spare`` more at ``SCHED_IDLE``, for a second fault soon after the first.
   2. Each (re)start builds a ``WarmSubprocessContext`` (torch's ``SubprocessContext``, the
      same polling, failure capture, log files, tee threads and kill-by-process-group) whose
      ``_start`` hands a rank to a live standby when the command is a ``python -u [-m] ...``
      line and the environment that matters at import time is the one the standby started
      with; otherwise, or when the hand-over fails, it starts the rank cold as torch does.
-  3. ``fill()`` again once the new workers beat (so the replacements' imports do not slow
-     the restart they follow); ``close()`` retires every unused standby.
+  3. ``fill(idle=True)`` right after each (re)start: the replacements import at ``SCHED_IDLE``
+     (CPU no running process wants, so they do not slow the restart they follow; a standby
+     returns to ``SCHED_OTHER`` when it becomes a worker); ``close()`` retires every unused standby.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import (
     get_subprocess_handler,
 )
 
+from tierckpt.launcher.standby import set_idle
+
 __all__ = ["IMPORT_TIME_PREFIXES", "Standby", "StandbyPool", "WarmPolicy", "WarmSubprocessContext", "drain_closers",
            "kill_if_standby", "warmable"]
 
@@ -44,16 +48,17 @@ IMPORT_TIME_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "KMP_", "GOMP_", "CUDA_
 class WarmPolicy:
     """How many standby interpreters an agent keeps, and what they import ahead.
 
-    workers   standbys kept ready (0: every start is cold); ``tierckpt run`` defaults to the
-              number of local workers
+    workers   standbys a (re)start takes (0: every start is cold); ``tierckpt run`` defaults
+              to the number of local workers
+    spare     standbys kept beyond ``workers``, so that a fault right after a restart (before
+              the replacements finished their imports) is served warm too; ``tierckpt run``
+              keeps as many as ``workers``
     imports   modules imported beside torch and the DDP constructor's lazy imports
-    refill_after_s  start replacements this long after a (re)start at the latest, even if
-              the workers never beat (they are started earlier, at the first beat)
     """
 
     workers: int = 0
     imports: tuple[str, ...] = field(default_factory=tuple)
-    refill_after_s: float = 10.0
+    spare: int = 0
 
 
 def warmable(entrypoint: str, args: tuple[Any, ...]) -> bool:
@@ -75,10 +80,11 @@ def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
 class Standby:
     """One standby interpreter: its process (own session, like torch's workers) and socket."""
 
-    def __init__(self, executable: str, imports: tuple[str, ...], env: dict[str, str]) -> None:
+    def __init__(self, executable: str, imports: tuple[str, ...], env: dict[str, str], *, idle: bool = False) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.executable = executable
         self.env = env
+        self.idle = idle
         self.started = time.time()
         try:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
@@ -87,6 +93,8 @@ class Standby:
                 env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
+        if idle:  # before Python started a thread: every thread it makes inherits the policy
+            set_idle(True, self.proc.pid)
         self.sock = ours
         self._ready = False
         self.ready_after_s: float | None = None  # spawn -> imports done, as first seen by ready()
@@ -111,6 +119,8 @@ class Standby:
 
     def hand_over(self, args: tuple[Any, ...], env: dict[str, str], stdout: int, stderr: int) -> None:
         """Send the rank's command line, environment and output descriptors; OSError if it is gone."""
+        if self.idle:  # still importing at SCHED_IDLE, perhaps: it is the rank's process from now on
+            set_idle(False, self.pid)
         body = json.dumps({"executable": self.executable, "args": [str(a) for a in args], "env": env,
                            "cwd": os.getcwd()}).encode()
         socket.send_fds(self.sock, [body], [stdout, stderr])
@@ -161,12 +171,18 @@ class StandbyPool:
             self.died.append((sb.pid, sb.proc.returncode))
             sb.retire()
 
-    def fill(self) -> int:
-        """Drop dead standbys, start new ones up to ``policy.workers``; the number started."""
+    @property
+    def target(self) -> int:
+        return self.policy.workers + self.policy.spare if self.policy.workers > 0 else 0
+
+    def fill(self, *, idle: bool = False) -> int:
+        """Drop dead standbys, start new ones up to ``workers + spare``; the number started.
+        Those beyond the first ``workers`` live ones, or all with ``idle``, import at SCHED_IDLE."""
         self._reap()
         n = 0
-        while len(self._idle) < self.policy.workers:
-            self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env)))
+        while len(self._idle) < self.target:
+            low = idle or len(self._idle) >= self.policy.workers
+            self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env), idle=low))
             n += 1
         return n
 
@@ -180,7 +196,7 @@ class StandbyPool:
     def short(self) -> bool:
         """Fewer live standbys than the policy keeps (dead ones are dropped and listed in ``died``)."""
         self._reap()
-        return len(self._idle) < self.policy.workers
+        return len(self._idle) < self.target
 
     def take(self, env: Mapping[str, str]) -> Standby | None:
         """A live standby whose import-time environment equals ``env``'s (ready ones first)."""

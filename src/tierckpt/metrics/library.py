@@ -28,6 +28,10 @@ from tierckpt.metrics.core import MetricsServer, Registry, serve
 
 __all__ = [
     "LibraryMetrics",
+    "dcp_committed",
+    "dcp_failed",
+    "dcp_loaded",
+    "dcp_written",
     "disable",
     "durable_committed",
     "durable_failed",
@@ -37,6 +41,7 @@ __all__ = [
     "library_metrics",
     "loaded",
     "memory_committed",
+    "memory_fallback",
     "save_failed",
     "save_staged",
     "server",
@@ -67,6 +72,9 @@ class LibraryMetrics:
         self.saves = r.counter("tierckpt_saves_total", "Steps committed, by tier", nt)
         self.bytes = r.counter("tierckpt_save_bytes_total", "Bytes committed by this rank, by tier", nt)
         self.failures = r.counter("tierckpt_save_failures_total", "Saves that failed, by tier", nt)
+        self.fallbacks = r.counter("tierckpt_memory_fallback_total",
+                                   "Saves written straight to the durable tier because the memory tier failed, by cause "
+                                   "(no_space, unwritable, error)", ("namespace", "cause"))
         self.retries = r.counter("tierckpt_durable_retries_total",
                                  "Durable-tier requests tried again after a transient failure", ("operation",))
         self.last_step = r.gauge("tierckpt_last_committed_step", "Newest step committed, by tier", nt)
@@ -236,6 +244,14 @@ def durable_failed(ck: Any, step: int) -> None:
     m.failures.inc(namespace=ck.config.namespace, tier="durable")
 
 
+def memory_fallback(ck: Any, cause: str) -> None:
+    """The memory tier failed (``cause``): a save goes straight to the durable tier."""
+    m = _METRICS
+    if m is None:
+        return
+    m.fallbacks.inc(namespace=ck.config.namespace, cause=cause)
+
+
 def durable_retry(operation: str) -> None:
     """A durable-tier request (``operation``: e.g. put, get, list) is tried again."""
     m = _METRICS
@@ -257,3 +273,48 @@ def loaded(ck: Any) -> None:
     m.loads.inc(namespace=ns, tier=tier)
     if info.get("step") is not None:
         m.last_loaded.set(info["step"], namespace=ns)
+
+
+# -- the DCP plug-ins' hooks (TieredStorageWriter / TieredStorageReader, and so every integration
+# built on them: Lightning, torchtitan, Ray, the SageMaker-compatible API, plain dcp.save/load) ----
+
+
+def dcp_written(namespace: str, tier: str, nbytes: int) -> None:
+    """A ``TieredStorageWriter`` put this rank's ``nbytes`` of a step into ``tier``."""
+    m = _METRICS
+    if m is None:
+        return
+    m.bytes.inc(nbytes, namespace=namespace, tier=tier)
+
+
+def dcp_committed(namespace: str, tier: str, step: int, seconds: float) -> None:
+    """The coordinator committed ``step`` in ``tier``, ``seconds`` after its ``write_data`` began."""
+    m = _METRICS
+    if m is None:
+        return
+    m.commit.observe(seconds, namespace=namespace, tier=tier)
+    m.saves.inc(namespace=namespace, tier=tier)
+    m.last_step.set(step, namespace=namespace, tier=tier)
+    if tier == "durable":
+        m.durable_step(namespace, step)
+
+
+def dcp_failed(namespace: str, tier: str) -> None:
+    """A ``TieredStorageWriter`` save failed in ``tier``."""
+    m = _METRICS
+    if m is None:
+        return
+    m.failures.inc(namespace=namespace, tier=tier)
+
+
+def dcp_loaded(namespace: str, step: int | None, seconds: float, tiers: Any) -> None:
+    """A ``TieredStorageReader`` read this rank's share of ``step`` from ``tiers`` (names)."""
+    m = _METRICS
+    if m is None:
+        return
+    names = set(tiers)
+    used = [t for t in _TIER_ORDER if t in names] or sorted(names) or ["none"]
+    m.load_seconds.observe(seconds, namespace=namespace, tier=used[-1])
+    m.loads.inc(namespace=namespace, tier=used[-1])
+    if step is not None:
+        m.last_loaded.set(step, namespace=namespace)

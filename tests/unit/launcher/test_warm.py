@@ -8,6 +8,7 @@ passed over for a cold start; one whose agent went away exits.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -156,7 +157,8 @@ def test_run_options(argv: list[str], workers: int, imports: tuple[str, ...]) ->
     from tierckpt.launcher.cli import _options, build_parser
 
     args = build_parser().parse_args(["--nproc-per-node", "2", *argv, "train.py"])
-    assert _options(args).warm == WarmPolicy(workers=workers, imports=imports)
+    # as many spares again, for a fault right after a restart
+    assert _options(args).warm == WarmPolicy(workers=workers, spare=workers, imports=imports)
 
 
 @pytest.mark.parametrize("argv, match", [(["--warm-workers", "many"], "--warm-workers must be 'auto' or a count"),
@@ -168,3 +170,47 @@ def test_bad_run_options(argv: list[str], match: str) -> None:
 
     with pytest.raises(TierckptError, match=match):
         _options(build_parser().parse_args([*argv, "train.py"]))
+
+
+POLICY_SCRIPT = """
+import json, os
+tids = os.listdir("/proc/self/task")
+print(json.dumps({"policies": sorted({os.sched_getscheduler(int(t)) for t in tids}), "threads": len(tids)}))
+"""
+
+
+def _policy(pid: int) -> int:
+    """The scheduling policy of ``pid``'s main thread (field 41 of /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[38])
+
+
+@pytest.mark.slow
+def test_a_spare_imports_at_idle_priority_and_works_at_normal(tmp_path: Path) -> None:
+    """Replacements spawned right after a restart must not take CPU from it (SCHED_IDLE), and the
+    worker one becomes must not stay idle-priority (every thread back to SCHED_OTHER)."""
+    script = tmp_path / "policy.py"
+    script.write_text(POLICY_SCRIPT)
+    pool = StandbyPool(WarmPolicy(workers=1, spare=1), sys.executable, _env(tmp_path))
+    try:
+        assert pool.fill() == 2
+        normal, spare = pool._idle
+        assert (normal.idle, spare.idle) == (False, True)
+        assert (_policy(normal.pid), _policy(spare.pid)) == (os.SCHED_OTHER, os.SCHED_IDLE)
+        # handed a rank while still importing (a fault right after a restart, on a busy node):
+        # it must not finish its imports at idle priority
+        pool._idle.remove(spare)
+        assert not spare.ready()  # torch takes seconds to import
+        out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+        with open(out, "w") as fo, open(err, "w") as fe:
+            spare.hand_over(("-u", str(script)), dict(spare.env), fo.fileno(), fe.fileno())
+        with contextlib.suppress(FileNotFoundError):
+            assert _policy(spare.pid) == os.SCHED_OTHER
+        assert spare.proc.wait(timeout=120) == 0, err.read_text()
+        got = json.loads(out.read_text().splitlines()[-1])
+        assert got["policies"] == [os.SCHED_OTHER], got
+        _wait_ready(normal)
+        assert _policy(normal.pid) == os.SCHED_OTHER
+        assert pool.short and pool.fill(idle=True) == 1 and pool._idle[-1].idle  # its replacement: idle
+    finally:
+        pool.close()

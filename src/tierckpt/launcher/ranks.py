@@ -1,0 +1,129 @@
+"""Stable group ranks: a node keeps the rank it held across re-rendezvous (its memory tier holds that rank's files).
+
+torch's c10d rendezvous numbers the nodes of a round by sorting their descriptors (host name,
+then pid), so a relaunched node (a new, higher pid) can take the survivor's rank, and each
+node's memory tier then holds the other rank's checkpoint. As HyperPod's operator assigns
+ranks from the job's membership, every agent here publishes a claim (the rank it held last
+and whether it held it in this process) in the round's store once torch settled the
+membership, and every agent applies the same pure ``assign`` to the same claims, so no
+coordinator is needed and every node computes the same permutation.
+
+Call order (``TierckptAgent``, inside torch's ``_rendezvous``, before the workers' ranks are
+assigned):
+
+    prior = load_prior(opts, run_id)                    # the rank the last process on this node held
+    rank = exchange(round_store, torch_rank, world, Claim(prior=..., survivor=...))
+    save_prior(opts, run_id, rank, world)               # for the next process on this node
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tierckpt.config import DEFAULT_MEMORY_DIR
+from tierckpt.errors import ProtocolError
+from tierckpt.launcher.state import STATE_DIR
+
+__all__ = ["Claim", "assign", "exchange", "identity", "load_prior", "save_prior"]
+
+_KEY = "tierckpt/rank-claim/"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    """What one agent asks for in a rendezvous round.
+
+    prior     the group rank this node held last (None: none known, a new machine)
+    survivor  the rank was held by this very process (not read back from a file): it wins a
+              conflict, since its workers' memory tier certainly holds that rank's files
+    identity  host and memory root, for messages
+    """
+
+    prior: int | None
+    survivor: bool = False
+    identity: str = ""
+
+    def to_json(self) -> bytes:
+        return json.dumps({"prior": self.prior, "survivor": self.survivor, "identity": self.identity}).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Claim:
+        d = json.loads(raw)
+        prior = d.get("prior")
+        return cls(prior=None if prior is None else int(prior), survivor=bool(d.get("survivor")),
+                   identity=str(d.get("identity", "")))
+
+
+def assign(claims: Sequence[Claim]) -> list[int]:
+    """New group rank per torch rank (``claims[i]`` is torch rank i's claim); a permutation of 0..n-1.
+
+    Survivors keep their rank first, then nodes that remember one (in torch-rank order), then
+    the rest fill the free ranks in torch-rank order. A prior outside 0..n-1 (the job shrank)
+    is ignored.
+    """
+    n = len(claims)
+    out: list[int | None] = [None] * n
+    taken: set[int] = set()
+    for i in sorted(range(n), key=lambda i: (not claims[i].survivor, i)):
+        p = claims[i].prior
+        if p is not None and 0 <= p < n and p not in taken:
+            out[i] = p
+            taken.add(p)
+    free = iter(r for r in range(n) if r not in taken)
+    return [r if r is not None else next(free) for r in out]
+
+
+def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: float = 120.0) -> int:
+    """Publish this agent's claim in the round's store, read every claim, return this agent's rank.
+
+    ``store`` is the round's store (torch's ``PrefixStore`` per round), so claims of an older
+    round are never read.
+    """
+    store.set(f"{_KEY}{torch_rank}", claim.to_json())
+    keys = [f"{_KEY}{i}" for i in range(world)]
+    deadline = time.monotonic() + timeout
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            raise ProtocolError(f"not every node published its rank claim within {timeout:.0f}s after the "
+                                "rendezvous; check that every node runs the same tierckpt version")
+        time.sleep(0.01)
+    claims = [Claim.from_json(store.get(k)) for k in keys]
+    return assign(claims)[torch_rank]
+
+
+def _path(memory_dir: str | None, run_id: str) -> Path:
+    return Path(memory_dir or DEFAULT_MEMORY_DIR) / STATE_DIR / f"{run_id}.rank.json"
+
+
+def identity(memory_dir: str | None) -> str:
+    return f"{socket.gethostname()}:{memory_dir or DEFAULT_MEMORY_DIR}"
+
+
+def load_prior(memory_dir: str | None, run_id: str) -> int | None:
+    """The group rank the last agent of this job on this memory root held (None when unknown)."""
+    try:
+        d = json.loads(_path(memory_dir, run_id).read_text())
+        return int(d["group_rank"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_prior(memory_dir: str | None, run_id: str, rank: int, world: int) -> str | None:
+    """Remember this node's group rank beside its memory tier; the error's text when it cannot
+    (the caller warns: a relaunch then takes whatever rank torch gives it)."""
+    p = _path(memory_dir, run_id)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"group_rank": rank, "group_world_size": world}))
+        os.replace(tmp, p)
+    except OSError as exc:
+        return f"cannot keep this node's group rank in {p}: {exc}"
+    return None

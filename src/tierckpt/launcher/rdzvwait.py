@@ -1,0 +1,82 @@
+"""Rendezvous progress instead of silence: ``waiting for nodes at HOST:PORT: 1 of 2 joined``.
+
+Call order (the agent, around each rendezvous round, which blocks in torch):
+
+    with RendezvousProgress(handler):
+        handler.next_rendezvous()
+
+A daemon thread prints the line on stderr ``first_after_s`` after the round began and every
+``every_s`` after that, until the block ends. The count comes from torch's dynamic (c10d)
+rendezvous state, which the waiting main thread re-reads from the store about once a second;
+this thread only reads it (``len`` of a dict). Private torch fields, read with ``getattr`` and
+a fallback: on a torch without them (or the static backend) the line says how many nodes are
+needed without the count (the fallback: tests/unit/launcher/test_right_by_default.py; the
+count from torch: tests/launcher/test_right_by_default.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, TextIO
+
+__all__ = ["RendezvousProgress", "joined", "where"]
+
+
+def joined(handler: Any) -> tuple[int | None, int | None]:
+    """(nodes in the current round so far, nodes needed) from torch's rendezvous state, or Nones."""
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None) if holder is not None else None
+    participants = getattr(state, "participants", None)
+    settings = getattr(handler, "_settings", None)
+    needed = getattr(settings, "min_nodes", None)
+    count = len(participants) if isinstance(participants, dict) else None
+    return count, needed if isinstance(needed, int) else None
+
+
+def where(handler: Any, fallback: str) -> str:
+    """HOST:PORT of the rendezvous store (``fallback`` when it cannot be read)."""
+    store = getattr(handler, "_store", None)
+    store = getattr(store, "underlying_store", store)
+    host, port = getattr(store, "host", None), getattr(store, "port", None)
+    return f"{host}:{port}" if host and port else fallback
+
+
+class RendezvousProgress:
+    """Prints rendezvous progress while the ``with`` block runs; see the module doc."""
+
+    def __init__(self, handler: Any, endpoint: str, *, first_after_s: float = 2.0, every_s: float = 5.0,
+                 out: TextIO | None = None) -> None:
+        self.handler = handler
+        self.endpoint = endpoint
+        self.first_after_s = first_after_s
+        self.every_s = every_s
+        self.out = out if out is not None else sys.stderr
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def line(self) -> str:
+        count, needed = joined(self.handler)
+        at = where(self.handler, self.endpoint)
+        if count is not None and needed is not None:
+            return f"tierckpt run: waiting for nodes at {at}: {count} of {needed} joined"
+        return f"tierckpt run: waiting for nodes at {at}" + (f" ({needed} needed)" if needed else "")
+
+    def _run(self) -> None:
+        wait = self.first_after_s
+        while not self._done.wait(wait):
+            try:
+                print(self.line(), file=self.out, flush=True)
+            except (OSError, ValueError):  # the stream closed under us: stop quietly
+                return
+            wait = self.every_s
+
+    def __enter__(self) -> RendezvousProgress:
+        self._thread = threading.Thread(target=self._run, name="tierckpt-rdzv-progress", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)

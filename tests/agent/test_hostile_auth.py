@@ -1,0 +1,224 @@
+"""Issue 16, authentication (items 13-16): identities bound into the MACs, every frame tagged, no
+unauthenticated listening beyond loopback, everything private from creation.
+
+The attacks speak the wire protocol by hand (``tests.agent.hostile``); an on-path attacker is a
+relay in the middle that rewrites one byte."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import socket
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.agent.conftest import wait_for
+from tests.agent.hostile import (
+    NS,
+    SECRET,
+    back_to_baseline,
+    client_handshake,
+    closed_by_server,
+    get,
+    payload,
+    proc_stats,
+    put,
+    serves_bit_for_bit,
+)
+from tests.agent.test_agent import _load, _save
+from tierckpt import layout
+from tierckpt.agent import protocol as p
+from tierckpt.agent.client import PeerClient, PeerError
+from tierckpt.agent.config import AgentConfig
+from tierckpt.agent.store import NodeStore
+from tierckpt.agent.wire import Connection
+from tierckpt.errors import ConfigError
+from tierckpt.integrity import verify_copy
+
+
+def test_the_node_id_is_bound_into_the_macs_and_only_the_sender_deletes(node_dir, agent) -> None:
+    """Item 13: a proof for another node id fails; a secret holder claiming node-a cannot delete or
+    replace node-a's replicas (they are owned by node-a's token)."""
+    a_dir, b_dir = node_dir("a"), node_dir("b")
+    _save(a_dir, [1, 2], memory_steps_retained=2)
+    b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET, replicas=0)
+    base = proc_stats(os.getpid())
+    sock = socket.create_connection(b.address, timeout=10)
+    conn = Connection(sock)
+    hello = conn.recv()
+    mine = secrets.token_hex(32)
+    conn.send({"op": "auth", "node": "node-a", "nonce": mine})
+    conn.recv()
+    conn.send({"op": "proof", "mac": p.client_mac(SECRET, hello["nonce"], mine, hello["node"], "node-x")})
+    assert closed_by_server(sock)  # the proof was made for node-x, the claim is node-a
+    owner, impostor = "a1" * 32, "e5" * 32
+    legit = client_handshake(b.address, "node-a")
+    assert put(legit, "node-a", 1, payload(a_dir, 1), owner=owner, keep=(1,))["op"] == "stored"
+    legit.close()
+    fake = client_handshake(b.address, "node-a")
+    assert put(fake, "node-a", 2, payload(a_dir, 2), owner=impostor, keep=())["op"] == "stored"
+    replaced = put(fake, "node-a", 1, payload(a_dir, 1), owner=impostor)
+    assert replaced["op"] == "error" and "another sender" in replaced["message"]
+    fake.close()
+    replicas = NodeStore(b_dir, "node-b").replica("node-a", NS)
+    assert [s.step for s in replicas.list_steps()] == [1, 2]  # keep=() deleted nothing it did not send
+    assert verify_copy(replicas, 1, NS).ok
+    serves_bit_for_bit(b.address, b_dir, "node-a", 1, replica=True)
+    back_to_baseline(os.getpid(), base)
+
+
+class _Relay:
+    """An on-path attacker between a client and the agent: flips one byte of the server's stream
+    at ``flip_at`` (None: relays faithfully)."""
+
+    def __init__(self, target: tuple[str, int], flip_at: int | None) -> None:
+        self.target, self.flip_at = target, flip_at
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1)
+        self.address = self.sock.getsockname()
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        client, _ = self.sock.accept()
+        server = socket.create_connection(self.target)
+        threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+        self._pipe(server, client, self.flip_at)
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, flip_at: int | None) -> None:
+        seen = 0
+        try:
+            while chunk := src.recv(1 << 16):
+                data = bytearray(chunk)
+                if flip_at is not None and seen <= flip_at < seen + len(data):
+                    data[flip_at - seen] ^= 0x01
+                seen += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_every_frame_is_authenticated_and_the_server_proves_itself_first(node_dir, agent) -> None:
+    """Item 14: a byte rewritten on the path, a bad tag, a replayed frame are all refused; a client
+    checks the server's MAC before it sends its own proof."""
+    d = node_dir("a")
+    _save(d, [1])
+    a = agent(memory_dir=d, node_id="node-a", secret=SECRET, replicas=0)
+    base = proc_stats(os.getpid())
+    relay = _Relay(a.address, flip_at=3000)  # past the handshake, inside the data file's bytes
+    conn = client_handshake(relay.address, "node-legit")
+    with pytest.raises(p.ProtocolViolation, match="tag"):
+        get(conn, "node-a", 1, "__0_0.distcp")
+    conn.close()
+    relay.close()
+    conn = client_handshake(a.address, "node-legit")
+    frame = p.encode({"op": "list", "ns": NS})
+    conn.sock.sendall(frame + b"\0" * p.TAG)  # a wrong tag
+    assert closed_by_server(conn.sock)
+    conn = client_handshake(a.address, "node-legit")
+    tagged = frame + conn._next_send_tag(frame)
+    conn.sock.sendall(tagged)
+    assert conn.recv()["op"] == "listing"
+    conn.sock.sendall(tagged)  # the same frame again: its sequence number is spent
+    assert closed_by_server(conn.sock)
+    received: list[dict] = []
+    impostor = socket.socket()
+    impostor.bind(("127.0.0.1", 0))
+    impostor.listen(1)
+
+    def fake_server() -> None:
+        s, _ = impostor.accept()
+        c = Connection(s, step_timeout=5)
+        c.send({"op": "hello", "node": "node-f", "nonce": "ab" * 32})
+        received.append(c.recv())
+        c.send({"op": "welcome", "node": "node-f", "mac": "00" * 32})  # does not know the secret
+        try:
+            received.append(c.recv())
+        except (p.ProtocolViolation, OSError):
+            pass
+        c.close()
+
+    t = threading.Thread(target=fake_server, daemon=True)
+    t.start()
+    with pytest.raises(PeerError, match="authentication"):
+        PeerClient.connect(impostor.getsockname(), "node-legit", SECRET, timeout=5)
+    t.join(10)
+    impostor.close()
+    assert [m["op"] for m in received] == ["auth"] and "mac" not in received[0]  # no proof was sent
+    serves_bit_for_bit(a.address, d, "node-a", 1)
+    back_to_baseline(os.getpid(), base)
+
+
+def test_no_listening_beyond_loopback_without_a_secret(monkeypatch, capsys, node_dir) -> None:
+    """Item 15: a typed error (exit 2 from the CLI), also for an empty secret and for host names
+    that merely start with "127."."""
+    from tierckpt.agent.cli import add_arguments, main
+
+    monkeypatch.delenv("TIERCKPT_AGENT_SECRET", raising=False)
+    d = node_dir("a")
+    for host in ("0.0.0.0", "::", "10.1.2.3", "127.attacker.example", "node7"):
+        with pytest.raises(ConfigError, match="needs a job secret"):
+            AgentConfig(memory_dir=d, listen=(host, 0))
+    with pytest.raises(ConfigError, match="needs a job secret"):
+        AgentConfig(memory_dir=d, listen=("0.0.0.0", 0), secret=b"")
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
+        AgentConfig(memory_dir=d, listen=(host, 0))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    for listen in ("0.0.0.0:0", "127.attacker.example:7601"):
+        assert main(parser.parse_args(["serve", "--memory-dir", d, "--listen", listen])) == 2
+        assert "needs a job secret" in capsys.readouterr().err
+    assert not Path(d, layout.AGENT_SOCKET).exists()
+
+
+def _modes(root: Path) -> dict[str, int]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = Path(dirpath, name)
+            out[str(full.relative_to(root))] = stat.S_IMODE(os.lstat(full).st_mode)
+    return out
+
+
+def test_replicas_cache_and_the_local_socket_are_private_from_creation(node_dir, agent) -> None:
+    """Item 16: with a umask that would allow anything, every replica and peer-cache file is 0600,
+    every directory 0700, and the socket 0600 as soon as it exists."""
+    old = os.umask(0)
+    try:
+        a_dir, b_dir = node_dir("a"), node_dir("b")
+        b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
+        a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET)
+        _save(a_dir, [1])
+        wait_for(lambda: Path(b_dir, layout.REPLICAS, "node-a", NS, "step_1", layout.MARKER).exists(), "replica")
+        import shutil
+
+        shutil.rmtree(Path(a_dir, NS))
+        step, tiers, _ = _load(a_dir)  # fetched back into a's peer cache
+        assert (step, tiers) == (1, ["peer"])
+        for root, area in ((b_dir, layout.REPLICAS), (a_dir, layout.PEER_CACHE)):
+            modes = _modes(Path(root, area))
+            assert modes, area
+            for path, mode in modes.items():
+                is_dir = Path(root, area, path).is_dir()
+                assert mode == (0o700 if is_dir else 0o600), (area, path, oct(mode))
+        for root in (a_dir, b_dir):
+            assert stat.S_IMODE(os.stat(Path(root, layout.AGENT_SOCKET)).st_mode) == 0o600
+            assert stat.S_IMODE(os.stat(Path(root, ".agent-owner")).st_mode) == 0o600
+        assert a.node_id == "node-a"
+    finally:
+        os.umask(old)

@@ -1,0 +1,143 @@
+"""``tierckpt run`` on namespaced hosts: one launcher per host, the rendezvous on host 0's address.
+
+    job = HostJob(cluster, tmp_path, train=["--steps", "80"], run_args=["--replicas", "1"])
+    job.start([h0, h1])                       # node i's tierckpt run on hosts[i]
+    job.wait_for(lambda: job.last_step(1) >= 10, 90, "rank 1 trains")
+    h1.kill()                                 # the host, its workers, its /dev/shm and its IP
+    job.start_node(cluster.add_host(), 1)     # a replacement host (new name, new IP) as node 1
+    codes = job.wait_exit(150)
+
+The workers' traces (``trace_rank<r>.jsonl``) and every launcher's events and log are on the
+machine's disk (``workdir``), shared by all hosts like a cluster's shared filesystem; the memory
+tier is each host's own ``/dev/shm/tierckpt``. Every process is a host's: ``Cluster.close`` (the
+fixture) ends them all, so a job needs no clean-up of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.hosts import Cluster, Host
+
+NS = "scn"
+RDZV_PORT = 29400
+AGENT_PORT = 7601
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            pass
+    return out
+
+
+def host_env(**extra: str) -> dict[str, str]:
+    """The environment for Python on a host: this checkout first on the path, gloo on ``eth0``."""
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    path = os.pathsep.join([src, str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, PYTHONPATH=path.rstrip(os.pathsep), GLOO_SOCKET_IFNAME="eth0",
+                OMP_NUM_THREADS="1", **extra)
+
+
+class HostJob:
+    def __init__(self, cluster: Cluster, tmp: Path, *, nnodes: int = 2, train: Sequence[str] = (),
+                 run_args: Sequence[str] = (), durable: str | None = None, node_timeout: float = 3.0,
+                 max_restarts: int = 3) -> None:
+        self.cluster = cluster
+        self.tmp = tmp
+        self.work = tmp / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.nnodes = nnodes
+        self.train = list(train)
+        self.run_args = list(run_args)
+        self.durable = durable
+        self.node_timeout = node_timeout
+        self.max_restarts = max_restarts
+        self.rdzv_id = f"job{os.getpid()}"
+        self.secret = secrets.token_hex(32)
+        self.head: Host | None = None
+        self.launchers: dict[str, subprocess.Popen[bytes]] = {}  # by host name
+        self.nodes: dict[str, int] = {}  # host name -> node slot
+
+    def command(self, host: Host, node: int) -> list[str]:
+        assert self.head is not None
+        cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint={self.head.ip}:{RDZV_PORT}", f"--rdzv-id={self.rdzv_id}",
+               f"--rdzv-conf=is_host={int(host is self.head)}", f"--max-restarts={self.max_restarts}",
+               "--monitor-interval=0.1", f"--namespace={NS}", "--memory-dir=/dev/shm/tierckpt",
+               f"--events={self.events_path(host.name)}", f"--node-timeout={self.node_timeout}", *self.run_args]
+        if self.durable is not None:
+            cmd.append(f"--durable-url={self.durable}")
+        return [*cmd, "-m", "tierckpt.demo.resilient", "--workdir", str(self.work), *self.train]
+
+    def events_path(self, name: str) -> Path:
+        return self.tmp / f"events-{name}.jsonl"
+
+    def start(self, hosts: Sequence[Host]) -> None:
+        self.head = hosts[0]
+        for node, host in enumerate(hosts):
+            self.start_node(host, node)
+
+    def start_node(self, host: Host, node: int) -> None:
+        log = open(self.tmp / f"launcher-{host.name}.log", "ab")  # noqa: SIM115 - the child owns it
+        env = host_env(TIERCKPT_AGENT_SECRET=self.secret)
+        self.launchers[host.name] = host.popen(self.command(host, node), env=env, stdout=log,
+                                               stderr=subprocess.STDOUT)
+        self.nodes[host.name] = node
+        log.close()
+
+    # ---- what happened ----
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        names = list(self.launchers) if name is None else [name]
+        return [e for n in names for e in read_jsonl(self.events_path(n))]
+
+    def trace(self, rank: int) -> list[dict[str, Any]]:
+        return read_jsonl(self.work / f"trace_rank{rank}.jsonl")
+
+    def last_step(self, rank: int, generation: int | None = None) -> int:
+        steps = [e["step"] for e in self.trace(rank) if e["event"] == "step"
+                 and (generation is None or e["generation"] == generation)]
+        return max(steps, default=-1)
+
+    def resumed(self, rank: int, generation: int) -> dict[str, Any] | None:
+        return next((e for e in self.trace(rank) if e["event"] == "resumed" and e["generation"] == generation), None)
+
+    def worker_pid(self, rank: int) -> int:
+        """The worker's PID as its host sees it (signal it with ``host.run(["kill", ...])``)."""
+        return int((self.work / f"pid_rank{rank}").read_text())
+
+    def report(self) -> str:
+        parts = []
+        for name, proc in self.launchers.items():
+            log = self.tmp / f"launcher-{name}.log"
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-25:]) if log.exists() else ""
+            parts.append(f"--- {name} (node {self.nodes[name]}, rc {proc.poll()}) events:\n"
+                         + "\n".join(json.dumps(e) for e in self.events(name)) + f"\n--- log tail:\n{tail}")
+        return "\n".join(parts)
+
+    # ---- waiting ----
+    def wait_for(self, cond: Callable[[], Any], timeout: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            time.sleep(0.05)
+        raise AssertionError(f"timed out after {timeout}s waiting for: {what}\n{self.report()}")
+
+    def wait_exit(self, timeout: float, names: Sequence[str]) -> dict[str, int]:
+        self.wait_for(lambda: all(self.launchers[n].poll() is not None for n in names), timeout, "launchers exit")
+        return {n: int(self.launchers[n].returncode) for n in names}
