@@ -96,8 +96,9 @@ def test_nan_and_lost_node_round(shm_root: Path, tmp_path: Path, capsys: pytest.
 def test_compiled_nan_in_process(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``--compile``: the in-process column of a NaN, with its stages; the process stayed."""
     out, logs = tmp_path / "compiled.json", tmp_path / "logs"
+    # --shm-dir /dev/shm itself: the node agent's socket path under shm_root would pass 108 bytes
     rc = recovery.main(["--compile", "--scenarios", "nan", "--launchers", "inprocess", "--cap", "60",
-                        "--shm-dir", str(shm_root), "--logs", str(logs), "--json", str(out)])
+                        "--shm-dir", "/dev/shm", "--logs", str(logs), "--json", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0, printed
     fig = json.loads(out.read_text())["figures"]["nan"]["inprocess"]

@@ -43,6 +43,7 @@ LAUNCHERS = ("inprocess", "warm", "cold", "torchrun")
 STAGES = ("detect", "stop", "pg", "load", "first_step")
 _GOALS = {"nan": 0.1, "hang": 0.1, "kill": 0.3}
 _START_S = 300.0
+_SHORT = {"inprocess": "ip", "warm": "warm", "cold": "cold", "torchrun": "tr"}
 
 
 class _CompiledJob(_Job):
@@ -101,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for scenario in scenarios:
                 for mode in launchers:
-                    job = _CompiledJob(mode, scenario, logs / f"r{rnd}-{scenario}-{mode}", shm,
+                    # short names: a hosted node agent's Unix socket lives under the memory dir (108 bytes)
+                    job = _CompiledJob(mode, scenario, logs / f"r{rnd}-{scenario}-{_SHORT[mode]}", shm,
                                        fault_step=args.fault_step, step_time=args.step_time)
                     runs.append({"round": rnd, "scenario": scenario, "launcher": mode, **_run_one(job, args)})
                     r = runs[-1]
