@@ -7,7 +7,8 @@
         ck.save(step, state_dict)            # memory now, durable in the background
 
 The DCP plug-ins ``TieredStorageWriter`` / ``TieredStorageReader`` work with
-``dcp.save``, ``dcp.async_save`` and ``dcp.load``.
+``dcp.save``, ``dcp.async_save`` and ``dcp.load``. ``tierckpt.resilient(train)`` restarts a
+training function in-process on a fault (``tierckpt.inprocess``).
 """
 
 from tierckpt.checkpointer import Checkpointer, SaveHandle, StepInfo
@@ -28,6 +29,7 @@ from tierckpt.errors import (
     UnsafeObjectError,
     UnsaveableObjectError,
 )
+from tierckpt.inprocess import Generation, resilient
 
 __version__ = "0.2.0"
 
@@ -38,6 +40,7 @@ __all__ = [
     "Checkpointer",
     "ConfigError",
     "DurableWriteError",
+    "Generation",
     "IntegrityError",
     "MemoryBudgetError",
     "NoUsableStepError",
@@ -52,4 +55,5 @@ __all__ = [
     "TieredStorageWriter",
     "UnsafeObjectError",
     "UnsaveableObjectError",
+    "resilient",
 ]

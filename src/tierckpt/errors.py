@@ -19,7 +19,9 @@
     ├── ProtocolError                  peers disagree (world size, save ids) or broke the call order
     ├── NonFiniteLossError             a save was held back: the loss was non-finite (monitor.step);
     │                                  Checkpointer reports it as SaveHandle.skipped, not as a failure
-    └── CheckpointFailedError          DCP's CheckpointException (a BaseException), made catchable
+    ├── CheckpointFailedError          DCP's CheckpointException (a BaseException), made catchable
+    ├── RestartRequested               the step was left for an in-process restart (tierckpt.resilient)
+    └── InProcessRestartError          an in-process restart cannot go on: restarts used up, a rank gone
 """
 
 from __future__ import annotations
@@ -31,12 +33,14 @@ __all__ = [
     "CheckpointNotFoundError",
     "ConfigError",
     "DurableWriteError",
+    "InProcessRestartError",
     "IntegrityError",
     "LoadMismatchWarning",
     "MemoryBudgetError",
     "NoUsableStepError",
     "NonFiniteLossError",
     "ProtocolError",
+    "RestartRequested",
     "SnapshotChangedError",
     "StateDictMismatchError",
     "StorageError",
@@ -228,3 +232,26 @@ class LoadMismatchWarning(UserWarning):
     Not an error: DCP's behaviour, kept; ``load(..., strict=True)`` makes both a
     ``StateDictMismatchError`` instead.
     """
+
+
+class RestartRequested(TierckptError):
+    """Raised in a rank's main thread to leave the step: a fault here or elsewhere (``reason``).
+
+    ``tierckpt.resilient`` catches it and restarts in-process; outside the wrapper it is never raised.
+    """
+
+    def __init__(self, reason: str, *, step: int | None = None) -> None:
+        super().__init__(f"in-process restart: {reason}" + (f" at step {step}" if step is not None else ""),
+                         step=step)
+        self.reason = reason
+
+
+class InProcessRestartError(TierckptError):
+    """An in-process restart cannot go on (restarts used up, a rank did not rejoin): let the
+    launcher restart the processes."""
+
+    exit_code = 9
+
+    def __init__(self, message: str, *, generation: int) -> None:
+        super().__init__(message)
+        self.generation = generation

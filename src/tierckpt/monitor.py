@@ -31,11 +31,11 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "section", "step", "watch_save"]
+__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "section", "set_non_finite_hook", "step", "watch_save"]
 
 NON_FINITE_LOSS = "NonFiniteLoss"
 # seq, step, wall time, loss, flags (bit 0: loss is non-finite), crc32 of the rest
@@ -189,8 +189,20 @@ def step(step: int, loss: float | None = None, **metrics: float) -> None:
     if bad and not _warned_non_finite:
         _warned_non_finite = True
         _log.error("step %s: non-finite loss %s (%s)", step, loss, NON_FINITE_LOSS)
+    hook = _non_finite_hook
+    if bad and hook is not None:  # tierckpt.resilient restarts in-process and reports it itself
+        hook(step, loss)
     if writer is not None:
         writer.write(step, float("nan") if bad and loss is None else loss)
+
+
+_non_finite_hook: Callable[[int, float | None], None] | None = None
+
+
+def set_non_finite_hook(hook: Callable[[int, float | None], None] | None) -> None:
+    """Called by ``tierckpt.resilient`` only: ``hook(step, loss)`` runs (and raises) on a non-finite step."""
+    global _non_finite_hook
+    _non_finite_hook = hook
 
 
 def beat() -> None:

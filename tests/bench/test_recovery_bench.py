@@ -89,3 +89,20 @@ def test_nan_and_lost_node_round(shm_root: Path, tmp_path: Path, capsys: pytest.
     assert [g["pass"] for g in doc["goals"] if "NaN" in g["name"]] == [True]
     assert list(shm_root.iterdir()) == [], "the run left memory tiers behind"
     assert _processes_naming(str(logs)) == [], "the run left launchers or workers running"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_compiled_nan_in_process(shm_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--compile``: the in-process column of a NaN, with its stages; the process stayed."""
+    out, logs = tmp_path / "compiled.json", tmp_path / "logs"
+    # --shm-dir /dev/shm itself: the node agent's socket path under shm_root would pass 108 bytes
+    rc = recovery.main(["--compile", "--scenarios", "nan", "--launchers", "inprocess", "--cap", "60",
+                        "--shm-dir", "/dev/shm", "--logs", str(logs), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    fig = json.loads(out.read_text())["figures"]["nan"]["inprocess"]
+    assert fig["median_s"] is not None and fig["median_s"] > 0 and not fig["capped"], printed
+    assert all(fig["stages_s"][s] is not None for s in ("detect", "stop", "pg", "load", "first_step")), printed
+    assert "load average" in printed
+    assert not _processes_naming(str(logs)), "the bench left processes behind"

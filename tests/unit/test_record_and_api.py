@@ -56,7 +56,7 @@ def test_public_surface_is_frozen() -> None:
         "CheckpointConfig", "CheckpointFailedError", "CheckpointNotFoundError", "Checkpointer", "ConfigError",
         "DurableWriteError", "UnsaveableObjectError", "UnsafeObjectError", "SnapshotChangedError",
         "IntegrityError", "MemoryBudgetError", "NoUsableStepError", "S3Settings", "SaveHandle", "StateDictMismatchError", "StepInfo",
-        "StorageError", "TieredStorageReader", "TieredStorageWriter", "TierckptError",
+        "StorageError", "TieredStorageReader", "TieredStorageWriter", "TierckptError", "Generation", "resilient",
     }
     for name in tierckpt.__all__:
         obj = getattr(tierckpt, name)

@@ -2,6 +2,7 @@
 
     tierckpt bench recovery [--rounds 3] [--scenarios crash,hang,nan,lostnode] [--step-time 0.1] [--fault-step 10]
                             [--hang-cap 30] [--shm-dir /dev/shm] [--logs DIR] [--json PATH]
+    tierckpt bench recovery --compile ...     a compiled job, with in-process restarts (recovery_inprocess.py)
 
 The same job (``tierckpt.demo.resilient``, a memory-tier checkpoint every step) runs under two
 agents x one worker, gloo on 127.0.0.1 (see ``twonode``), once per launcher and scenario in
@@ -122,6 +123,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--compile" in (sys.argv[1:] if argv is None else argv):  # a compiled job: recovery_inprocess.py
+        from tierckpt.bench.recovery_inprocess import main as compiled
+
+        return compiled(argv)
     p = _parser()
     args = p.parse_args(argv)
     scenarios = tuple(s for s in SCENARIOS if s in {x.strip() for x in args.scenarios.split(",")})

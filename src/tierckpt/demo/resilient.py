@@ -13,7 +13,10 @@ Faults on request (only in generation ``--fault-generation``, rank ``--fault-ran
 ``nan`` (loss NaN at ``--fault-step``),
 ``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step),
 ``hang`` (block forever in a wait at that step, without a heartbeat: the other ranks block in
-their next all-reduce, a collective that never returns).
+their next all-reduce, a collective that never returns), ``raise`` (an exception at that step).
+``--compile``: the model is ``torch.compile``d once per process. ``--inprocess``: the training
+loop runs under ``tierckpt.resilient`` (faults restart it in-process; a fault fires in the
+first in-process generation only); traces then carry ``inproc`` (the in-process generation).
 ``--eval-every N --eval-s S``: after every Nth step every rank (``--eval-rank R``: rank R alone,
 the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
 the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
@@ -77,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--durable-every", type=int, default=0)
     ap.add_argument("--global-mode", action="store_true",
                     help="one global DCP checkpoint (needs a durable tier across nodes); default: local mode")
-    ap.add_argument("--fault", choices=["none", "crash_on_start", "stall_on_start", "nan", "silent", "exit", "hang"],
-                    default="none")
+    ap.add_argument("--fault", default="none",
+                    choices=["none", "crash_on_start", "stall_on_start", "nan", "silent", "exit", "hang", "raise"])
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-generation", type=int, default=0, help="-1: every generation")
     ap.add_argument("--fault-rank", type=int, default=1)
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-idle", action="store_true")
     ap.add_argument("--eval-section-timeout", type=float, default=0.0)
     ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (built once per process)")
+    ap.add_argument("--inprocess", action="store_true", help="run under tierckpt.resilient: in-process restarts")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -111,17 +116,42 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed as dist
 
+    import tierckpt  # noqa: F401 - the package's import time belongs to "imported"
+
+    _trace(trace, "imported")
+    torch.manual_seed(0)
+    model: Any = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    forward = torch.compile(model) if args.compile else model  # built once: in-process restarts keep it
+    if args.inprocess:
+        from tierckpt.inprocess import Generation, resilient
+
+        def generation(gen: Generation) -> None:
+            _trace(trace, "pg", inproc=gen.index, reason=gen.reason, stages_s=gen.stages_s, fault_time=gen.fault_time)
+            _train(args, model, forward, optim, trace, faulty and gen.index == 0, inproc=gen.index)
+
+        resilient(generation)()
+    else:
+        dist.init_process_group("gloo")
+        _trace(trace, "pg")
+        _train(args, model, forward, optim, trace, faulty, inproc=None)
+        dist.destroy_process_group()
+    _trace(trace, "done", step=args.steps)
+    return 0
+
+
+def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace: Path, faulty: bool,
+           inproc: int | None) -> None:
+    """Load from memory, then train to ``args.steps`` with a save and a beat per step."""
+    import torch
+    import torch.distributed as dist
+
     import tierckpt
     import tierckpt.monitor as monitor
 
-    _trace(trace, "imported")
-    dist.init_process_group("gloo")
-    _trace(trace, "pg")
+    work = Path(args.workdir)
     rank, world = dist.get_rank(), dist.get_world_size()
     (work / f"pid_rank{rank}").write_text(str(os.getpid()))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
-    optim = torch.optim.SGD(model.parameters(), lr=0.05)
     cfg = tierckpt.CheckpointConfig.from_env(namespace=os.environ.get("TIERCKPT_NAMESPACE", NAMESPACE),
                                              durable_every_n_steps=args.durable_every,
                                              local_mode=not args.global_mode)
@@ -132,13 +162,15 @@ def main(argv: list[str] | None = None) -> int:
         if resumed is not None:
             model.load_state_dict(state["model"])
             optim.load_state_dict(state["optim"])
-        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model),
+        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc,
                tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None)
+        first = True
         for step in range((resumed or 0) + 1, args.steps + 1):
             t_step = time.time()
             g = torch.Generator().manual_seed(step * 100 + rank)
             x, y = torch.randn(64, 32, generator=g), torch.randint(0, 8, (64,), generator=g)
-            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss = torch.nn.functional.cross_entropy(forward(x), y)
+            t_fwd = time.time() - t_step
             optim.zero_grad()
             loss.backward()
             for p in model.parameters():
@@ -149,11 +181,15 @@ def main(argv: list[str] | None = None) -> int:
             optim.step()
             value = float(loss)
             due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
+            if due and args.fault in ("nan", "exit", "raise", "hang"):
+                _trace(trace, "fault", step=step, fault=args.fault, inproc=inproc)
             if due and args.fault == "nan":
                 value = math.nan
             if due and args.fault == "exit":
                 print(f"exiting at step {step} (as asked)", flush=True)
-                return 3
+                sys.exit(3)
+            if due and args.fault == "raise":
+                raise RuntimeError(f"failing at step {step} (as asked)")
             if due and args.fault == "hang":
                 print(f"blocking forever at step {step} (as asked)", flush=True)
                 import threading
@@ -165,7 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             monitor.step(step, loss=value)
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
-            _trace(trace, "step", step=step, digest=_digest(model), **({"fault": args.fault} if due else {}))
+            _trace(trace, "step", step=step, digest=_digest(model), inproc=inproc,
+                   **({"forward_s": t_fwd} if first else {}), **({"fault": args.fault} if due else {}))
+            first = False
             if args.eval_every and step % args.eval_every == 0:
                 seconds = args.eval_s if args.eval_rank in (-1, rank) else 0.0
                 if args.eval_section_timeout:
@@ -175,9 +213,6 @@ def main(argv: list[str] | None = None) -> int:
                     _evaluate(model, seconds, trace, step, idle=args.eval_idle)
             time.sleep(max(0.0, args.step_time - (time.time() - t_step)))
         ck.wait()
-    _trace(trace, "done", step=args.steps)
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from tierckpt.launcher.escalation import Action, Decision, Fault, restarts_befor
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
+from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
@@ -81,6 +82,7 @@ class TierckptAgent(LocalElasticAgent):
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
         # ``node`` is the group rank, known from the first rendezvous on (None before it)
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
+        self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess.py)
         self._calibrated_reported = False
         self._node_agent: Any = None
         self._peers_next = 0.0  # when to look for other nodes' agents in the store next
@@ -213,6 +215,7 @@ class TierckptAgent(LocalElasticAgent):
             worker_group, envs, args, logs_specs=self._logs_specs, prefix_template=self._log_line_prefix_template,
             pool=self._pool, start_method=self._start_method)
         self._arm_detectors(worker_group)
+        self._inproc.arm(self._beat_dir, [w.local_rank for w in worker_group.workers])
         return self._pcontext.pids()
 
     def _torch_watchdogs(self, envs: dict[int, dict[str, str]]) -> None:
@@ -293,6 +296,12 @@ class TierckptAgent(LocalElasticAgent):
         self.events.downtime.inc(recovery)
         self.events.emit("recovered", generation=self.generation, recovery_s=round(recovery, 3),
                          step=self._progress())
+
+    def _rearm_trackers(self) -> None:
+        """After an in-process restart: the steps went back and paused, as at a start."""
+        now = time.monotonic()
+        self._trackers = {lr: BeatTracker(self.opts.heartbeat, now, self._learn()) for lr in self._trackers}
+        self._gen_started = time.time()
 
     def _stop_now(self) -> None:
         if self._pcontext is not None:
@@ -498,6 +507,8 @@ class TierckptAgent(LocalElasticAgent):
             result = self._monitor_workers(wg)
             wg.state = result.state
             self._maybe_refill()
+            if self._inproc.poll(self.generation):
+                self._rearm_trackers()
             self._discover_peers()
             if result.state == WorkerState.SUCCEEDED:
                 self.ctl.mark_done(self.node)
@@ -541,6 +552,10 @@ class TierckptAgent(LocalElasticAgent):
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
                          detection_latency_s=fault.get("detection_latency_s"),
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
+        if self._inproc.handles(fault) and self._inproc.restart(g, fault.get("reason")) is not None:
+            self.generation = g + 1  # the processes stay; a fresh claim key for the next fault
+            self._rearm_trackers()
+            return None
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self.ctl.stopped(g)

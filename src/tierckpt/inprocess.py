@@ -1,0 +1,273 @@
+"""In-process restarts: on a fault every rank leaves the step, rebuilds the process group and
+rolls back from its own memory tier, in the same interpreter (imports and compiled graphs stay).
+
+    import tierckpt
+    model = torch.compile(build_model())          # built once: survives every restart
+
+    def train(gen: tierckpt.Generation) -> None:   # one call per in-process generation
+        with tierckpt.Checkpointer(cfg) as ck:     # on the generation's process group
+            start = ck.load(state) or 0             # roll back: a memcpy from this node's memory
+            for step in range(start + 1, total + 1):
+                loss = train_step()
+                monitor.step(step, loss=loss.item())   # a NaN/Inf raises here: restart in-process
+                ck.save(step, state)
+
+    tierckpt.resilient(train)()
+
+Call order (every rank, the main thread): ``resilient(fn)()`` connects the job's store once
+(``MASTER_ADDR``/``MASTER_PORT``, rank 0 hosts it, as ``init_process_group("env://")`` would);
+then per generation k: ``init_process_group`` on the store prefix ``tierckpt/inproc/<k>/``, a
+watchdog thread (``inprocess_watch``), ``fn(gen)``. A fault is one of: an exception out of ``fn`` on
+any rank (a non-finite ``monitor.step`` loss is one), another rank's fault (a key in the store),
+or a request of ``tierckpt run`` (``inproc_request`` in ``TIERCKPT_MONITOR_DIR``: a hang, a
+NaN seen by the launcher). The rank that sees it first marks it in the store; every rank then
+aborts its group (for gloo: shuts down the group's sockets, which unblocks a peer stuck in a
+collective at once; ``destroy_process_group`` and ``ProcessGroup.abort`` do not; for NCCL:
+``abort``), and a rank outside any collective gets ``RestartRequested`` raised in its main
+thread (SIGUSR2). Then ``destroy_process_group``, a store barrier (every rank left k) and
+generation k+1. A rank whose process died cannot come back this way: the barrier times out
+and ``InProcessRestartError`` ends the process, so ``tierckpt run`` restarts the processes.
+
+Each restart is appended to ``inproc_<local rank>.jsonl`` in ``TIERCKPT_MONITOR_DIR`` (the
+launcher turns it into a ``restart`` event with ``kind="inprocess"``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Generic, TypeVar
+
+import torch.distributed as dist
+
+from tierckpt import monitor
+from tierckpt.errors import InProcessRestartError, RestartRequested
+
+__all__ = ["Generation", "Resilient", "resilient"]
+
+T = TypeVar("T")
+REQUEST_FILE = "inproc_request"  # written by tierckpt run: an increasing request counter
+_SIGNAL = signal.SIGUSR2
+_POLL_S = 0.05
+_GRACE_S = 0.3  # a rank inside a collective leaves it by the abort; the signal is for the others
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What ``fn`` is told at each call: which in-process generation, and why the last one ended."""
+
+    index: int
+    rank: int
+    world_size: int
+    reason: str | None = None  # the fault that ended the previous generation
+    stages_s: dict[str, float] = field(default_factory=dict)  # the previous recovery's stages
+    fault_time: float | None = None  # wall time the fault was first seen on this rank
+
+
+class _Aborter:
+    """Unblocks the ranks of one process group: gloo's connected sockets shut down, NCCL aborted."""
+
+    def __init__(self, before: set[int], backend: str) -> None:
+        self.backend = backend
+        self.fds = [fd for fd in _open_fds() - before if _is_connected_socket(fd)]
+
+    def abort(self) -> None:
+        if self.backend == "nccl":
+            pg = dist.group.WORLD
+            if pg is not None and hasattr(pg, "abort"):
+                pg.abort()
+            return
+        for fd in self.fds:
+            try:
+                sk = socket.socket(fileno=fd)
+            except OSError:  # already closed by the group's own teardown
+                continue
+            try:
+                sk.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already disconnected: the peer went first
+            finally:
+                sk.detach()
+
+
+class Resilient(Generic[T]):
+    """``fn`` run until it returns, restarted in-process on a fault; see the module doc."""
+
+    def __init__(self, fn: Callable[[Generation], T], *, backend: str = "gloo", max_restarts: int = 10,
+                 rejoin_timeout_s: float = 60.0, collective_timeout_s: float = 1800.0) -> None:
+        self.fn = fn
+        self.backend = backend
+        self.max_restarts = max_restarts
+        self.rejoin_timeout_s = rejoin_timeout_s
+        self.collective_timeout_s = collective_timeout_s
+        self._armed = False
+        self._fault = threading.Event()
+        self._reason: str | None = None
+        self._fault_time: float | None = None
+
+    def __call__(self) -> T:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+        timeout = datetime.timedelta(seconds=self.rejoin_timeout_s)
+        store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+        watch_store = dist.TCPStore(host, port, world, False, timeout=timeout)  # type: ignore[attr-defined]
+        monitor_dir = os.environ.get("TIERCKPT_MONITOR_DIR")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        report = os.path.join(monitor_dir, f"inproc_{local_rank}.jsonl") if monitor_dir else None
+        previous = signal.signal(_SIGNAL, self._on_signal)
+        gen = Generation(0, rank, world)
+        _report(report, event="ready", k=0, rank=rank, pid=os.getpid())
+        try:
+            while True:
+                t_pg = time.time()
+                aborter = self._init_group(store, gen.index, rank, world)
+                gen.stages_s["pg"] = time.time() - t_pg
+                watchdog = threading.Thread(target=self._watch, name="tierckpt-inprocess-watch", daemon=True,
+                                            args=(watch_store, gen.index, aborter, monitor_dir))
+                self._fault.clear()
+                self._reason = self._fault_time = None
+                watchdog.start()
+                self._armed = True
+                try:
+                    result = self.fn(gen)
+                    self._armed = False
+                    self._fault.set()  # stops the watchdog
+                    watchdog.join()
+                    dist.destroy_process_group()
+                    return result
+                except Exception as exc:
+                    self._armed = False
+                    gen = self._recover(exc, gen, store, aborter, watchdog, report)
+        finally:
+            self._armed = False
+            signal.signal(_SIGNAL, previous)
+            monitor.set_non_finite_hook(None)
+
+    def _init_group(self, store: Any, k: int, rank: int, world: int) -> _Aborter:
+        if self.backend == "nccl":  # on a NCCL error abort the communicator only; 1 and 3 end the process
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+        before = _open_fds()
+        dist.init_process_group(self.backend, store=dist.PrefixStore(  # type: ignore[attr-defined]
+            f"tierckpt/inproc/{k}/pg", store), rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=self.collective_timeout_s))
+        monitor.set_non_finite_hook(_raise_non_finite)
+        return _Aborter(before, self.backend)
+
+    def _recover(self, exc: Exception, gen: Generation, store: Any, aborter: _Aborter,
+                 watchdog: threading.Thread, report: str | None) -> Generation:
+        """Mark the fault, abort and destroy the group, wait for every rank; the next generation."""
+        t_left = time.time()
+        k = gen.index
+        mine = self._reason or (exc.reason if isinstance(exc, RestartRequested) else type(exc).__name__)
+        t_fault = self._fault_time or t_left
+        # the first fault marked wins: a peer's "connection closed" names the cause, not itself
+        first = store.compare_set(f"tierckpt/inproc/{k}/fault", "", f"{mine} on rank {gen.rank}")
+        reason = bytes(first).decode().split(" on rank ")[0] or mine
+        aborter.abort()
+        self._fault.set()
+        watchdog.join()
+        _destroy_quietly()
+        t_stop = time.time()
+        if k >= self.max_restarts:
+            raise InProcessRestartError(f"{self.max_restarts} in-process restarts used up; last fault: {reason}",
+                                        generation=k) from exc
+        store.add(f"tierckpt/inproc/{k}/left", 1)
+        deadline = time.monotonic() + self.rejoin_timeout_s
+        while int(store.add(f"tierckpt/inproc/{k}/left", 0)) < gen.world_size:
+            if time.monotonic() > deadline:
+                raise InProcessRestartError(f"not every rank left generation {k} within {self.rejoin_timeout_s:g}s "
+                                            "(a process died?): the launcher restarts the processes",
+                                            generation=k) from exc
+            time.sleep(0.005)
+        stages = {"leave": t_left - t_fault, "stop": t_stop - t_left, "barrier": time.time() - t_stop}
+        _report(report, event="restart", k=k + 1, rank=gen.rank, reason=reason, pid=os.getpid(),
+                fault_time=t_fault, error=f"{type(exc).__name__}: {exc}"[:300], stages_s=stages)
+        return Generation(k + 1, gen.rank, gen.world_size, reason=reason, stages_s=stages, fault_time=t_fault)
+
+    def _watch(self, store: Any, k: int, aborter: _Aborter, monitor_dir: str | None) -> None:
+        """Watchdog thread: a peer's fault key or the launcher's request aborts the group."""
+        key = f"tierckpt/inproc/{k}/fault"
+        request = os.path.join(monitor_dir, REQUEST_FILE) if monitor_dir else None
+        seen = _read_counter(request)
+        while not self._fault.wait(_POLL_S):
+            reason = None
+            if store.check([key]):
+                reason = store.get(key).decode() or "peer fault"
+            elif request is not None and _read_counter(request) > seen:
+                reason = "launcher request"
+                store.compare_set(key, "", reason)
+            if reason is None:
+                continue
+            self._reason, self._fault_time = reason.split(" on rank ")[0], time.time()
+            aborter.abort()
+            if self._fault.wait(_GRACE_S) or not self._armed:
+                return
+            signal.pthread_kill(threading.main_thread().ident or 0, _SIGNAL)
+            return
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._armed:
+            self._armed = False
+            raise RestartRequested(self._reason or "fault")
+
+
+def resilient(fn: Callable[[Generation], T], *, backend: str = "gloo", max_restarts: int = 10,
+              rejoin_timeout_s: float = 60.0) -> Resilient[T]:
+    """``fn`` wrapped for in-process restarts; call the result from the main thread of every rank."""
+    return Resilient(fn, backend=backend, max_restarts=max_restarts, rejoin_timeout_s=rejoin_timeout_s)
+
+
+def _raise_non_finite(step: int, loss: float | None) -> None:
+    raise RestartRequested(monitor.NON_FINITE_LOSS, step=step)
+
+
+def _destroy_quietly() -> None:
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - an aborted group may fail its own teardown; it is gone either way
+        pass
+
+
+def _open_fds() -> set[int]:
+    return {int(f) for f in os.listdir("/proc/self/fd")}
+
+
+def _is_connected_socket(fd: int) -> bool:
+    """A connected stream socket (a gloo pair); never a listener, whose shutdown aborts gloo."""
+    try:
+        if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+            return False
+        sk = socket.socket(fileno=fd)
+    except OSError:
+        return False
+    try:
+        return not sk.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    except OSError:
+        return False
+    finally:
+        sk.detach()
+
+
+def _read_counter(path: str | None) -> int:
+    if path is None:
+        return 0
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _report(path: str | None, **rec: Any) -> None:
+    if path is None:
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time(), **rec}) + "\n")

@@ -1,0 +1,119 @@
+"""The agent's side of ``tierckpt.resilient``: which faults restart in-process, the request to
+the workers and the ``restart`` events of ``kind="inprocess"``.
+
+Call order (the agent, one per node, every monitor interval):
+  1. ``arm(beat_dir, local_ranks)`` after each process start: the workers of this process
+     generation write ``inproc_<local rank>.jsonl`` there (``ready``, then one ``restart`` per
+     in-process restart) and watch ``inproc_request``.
+  2. ``poll()``: the workers' new records; a restart the workers started themselves (an
+     exception, a non-finite loss) becomes a ``fault`` and a ``restart`` event; True when the
+     agent should re-arm its heartbeat trackers (the steps went back, the step paused).
+  3. On a fault the agent claimed: ``handles(fault)`` (every local worker runs under the
+     wrapper and all processes live: a hang, a non-finite loss, a log rule); then
+     ``restart(generation)`` bumps the request counter and waits until every local worker
+     reports the restart; None (timeout) sends the agent down the process-restart path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from tierckpt.launcher.events import Events
+
+__all__ = ["InProcessRestarts"]
+
+REQUEST_FILE = "inproc_request"  # the workers' watchdog reads it (tierckpt.inprocess)
+# faults that leave every process alive and the membership unchanged
+_PROCESS_FAULTS = frozenset({"Crash", "LostNode", "MembershipChange", "LostStore"})
+
+
+class InProcessRestarts:
+    """Per node: the in-process restarts of the current process generation."""
+
+    def __init__(self, events: Events, *, max_restarts: int = 10, timeout_s: float = 30.0) -> None:
+        self.events = events
+        self.max_restarts = max_restarts
+        self.timeout_s = timeout_s
+        self._dir: str | None = None
+        self._ranks: list[int] = []
+        self._offsets: dict[int, int] = {}
+        self._ready: set[int] = set()
+        self._done: dict[int, set[int]] = {}  # in-process generation k -> local ranks that reported it
+        self._records: dict[int, list[dict[str, Any]]] = {}  # k -> the workers' restart records
+        self._seen: set[int] = set()  # generations already turned into events
+        self._requests = 0
+
+    def arm(self, beat_dir: str, local_ranks: list[int]) -> None:
+        self._dir, self._ranks = beat_dir, sorted(local_ranks)
+        self._offsets, self._ready, self._done, self._seen, self._requests = {}, set(), {}, set(), 0
+        self._records = {}
+
+    def handles(self, fault: dict[str, Any]) -> bool:
+        self._read()
+        return bool(self._ranks) and self._ready == set(self._ranks) and \
+            fault.get("reason") not in _PROCESS_FAULTS and not str(fault.get("reason", "")).endswith("Deadline") \
+            and self._requests < self.max_restarts
+
+    def poll(self, generation: int) -> bool:
+        """Events for restarts the workers began themselves; True when the trackers need re-arming."""
+        self._read()
+        rearm = False
+        for k in sorted(self._done):
+            if k in self._seen or self._done[k] != set(self._ranks):
+                continue
+            self._seen.add(k)
+            rearm = True
+            first = min(self._records[k], key=lambda r: float(r["fault_time"]))
+            self.events.emit("fault", generation=generation, reason=first["reason"], rank=first.get("rank"),
+                             detail=first.get("error"), inprocess=k)
+            self.events.emit("restart", generation=generation, kind="inprocess", reason=first["reason"],
+                             inprocess=k, stages_s=first.get("stages_s"),
+                             recovery_s=round(time.time() - first["fault_time"], 3))
+        return rearm
+
+    def restart(self, generation: int, reason: str | None) -> float | None:
+        """Ask this node's workers to restart in-process; seconds until all reported it, None on timeout."""
+        if self._dir is None:
+            return None
+        t0 = time.time()
+        want = max(self._done, default=0) + 1
+        self._requests += 1
+        tmp = os.path.join(self._dir, REQUEST_FILE + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(str(self._requests))
+        os.replace(tmp, os.path.join(self._dir, REQUEST_FILE))
+        deadline = time.monotonic() + self.timeout_s
+        while self._done.get(want) != set(self._ranks):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.01)
+            self._read()
+        self._seen.add(want)
+        recovery = time.time() - t0
+        self.events.emit("restart", generation=generation, kind="inprocess", reason=reason, inprocess=want,
+                         recovery_s=round(recovery, 3))
+        return recovery
+
+    def _read(self) -> None:
+        if self._dir is None:
+            return
+        for lr in self._ranks:
+            path = os.path.join(self._dir, f"inproc_{lr}.jsonl")
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(lr, 0))
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+            self._offsets[lr] = self._offsets.get(lr, 0) + end
+            for line in data[:end].splitlines():
+                rec = json.loads(line)
+                if rec.get("event") == "ready":
+                    self._ready.add(lr)
+                elif rec.get("event") == "restart":
+                    self._done.setdefault(int(rec["k"]), set()).add(lr)
+                    self._records.setdefault(int(rec["k"]), []).append(rec)
