@@ -6,7 +6,8 @@
 
 One JSON object per line, flushed at once: ``event`` (``started``, ``fault``, ``stopped``,
 ``restart``, ``exit``, ``timeout``, ``warning``), ``time`` (Unix seconds), ``generation``,
-``node`` (the node's index, its group rank; None before the first rendezvous), ``host``
+``node`` (the node's index, its group rank; events before the first rendezvous are held back
+and written once it is known, so every line has it; None only if the agent never joined), ``host``
 (its hostname), and the event's own fields (a fault: ``reason``, ``rank``; a restart: ``kind``
 ``process`` or ``job``; an exit: ``code``). Each event also goes to the ``tierckpt.run`` logger
 and updates the metrics.
@@ -33,7 +34,8 @@ class Events:
 
     def __init__(self, path: str | None, node: int | None, metrics_port: int | None = None, *,
                  host: str | None = None) -> None:
-        self.node = node
+        self._node = node
+        self._held: list[dict[str, Any]] = []  # emitted before the node's index was known
         self.host = host
         self._file = open(path, "a", buffering=1) if path else None  # noqa: SIM115 - closed in close()
         self._lock = threading.Lock()
@@ -52,6 +54,25 @@ class Events:
         if metrics_port is not None:
             self.server = serve(reg, metrics_port, host=os.environ.get("TIERCKPT_METRICS_HOST", "127.0.0.1"))
 
+    @property
+    def node(self) -> int | None:
+        return self._node
+
+    @node.setter
+    def node(self, value: int | None) -> None:
+        """Set once the rendezvous gave this node its index; writes the events held until then."""
+        with self._lock:
+            self._node = value
+            if value is not None:
+                held, self._held = self._held, []
+                for rec in held:
+                    rec["node"] = value
+                    self._write(rec)
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(rec, default=str) + "\n")
+
     def emit(self, event: str, *, generation: int, **fields: Any) -> dict[str, Any]:
         rec: dict[str, Any] = {"event": event, "time": round(time.time(), 6), "generation": generation,
                                "node": self.node, "host": self.host}
@@ -61,10 +82,11 @@ class Events:
             self.faults.inc(reason=str(fields.get("reason")))
         elif event == "restart":
             self.restarts.inc(kind=str(fields.get("kind")))
-        line = json.dumps(rec, default=str)
         with self._lock:
-            if self._file is not None:
-                self._file.write(line + "\n")
+            if self._node is None:
+                self._held.append(rec)
+            else:
+                self._write(rec)
         level = logging.WARNING if event in ("fault", "warning") else logging.INFO
         log.log(level, "[Node %s] Generation %s: %s %s", self.node, generation, event,
                 " ".join(f"{k}={v}" for k, v in fields.items()))
@@ -75,6 +97,9 @@ class Events:
             self.server.close()
             self.server = None
         with self._lock:
+            for rec in self._held:  # never joined: written without an index
+                self._write(rec)
+            self._held = []
             if self._file is not None:
                 self._file.close()
                 self._file = None

@@ -237,4 +237,9 @@ def test_events_carry_node_index_and_host(tmp_path: Path) -> None:
     ev.emit("started", generation=0)
     ev.close()
     recs = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
-    assert [(r["node"], r["host"]) for r in recs] == [(None, "trn-17"), (1, "trn-17")]
+    # held back until the rendezvous gave the node its index, then written with it
+    assert [(r["event"], r["node"], r["host"]) for r in recs] == [("warning", 1, "trn-17"), ("started", 1, "trn-17")]
+    never = Events(str(tmp_path / "never.jsonl"), node=None)
+    never.emit("exit", generation=0, code=2)
+    never.close()  # never joined: written without an index rather than lost
+    assert [json.loads(x)["node"] for x in (tmp_path / "never.jsonl").read_text().splitlines()] == [None]
