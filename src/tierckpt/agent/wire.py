@@ -88,7 +88,8 @@ class Connection:
 
     def _check_tag(self, *parts: bytes | memoryview) -> None:
         """Read the tag that follows a frame or segment and compare it with the one ``parts`` give."""
-        assert self._recv_key is not None
+        if self._recv_key is None:
+            raise p.ProtocolViolation("a tagged frame before the session started")
         expected = self._tag(self._recv_key, self._recv_seq, *parts)
         if not hmac.compare_digest(expected, self._exact(p.TAG)):
             raise p.ProtocolViolation("a frame failed its authentication tag (altered on the way?)")

@@ -26,6 +26,8 @@ import sys
 import time
 from typing import Any
 
+from tierckpt.bench.scale_sim import BenchError
+
 __all__ = ["main"]
 
 _SERVER = ("import datetime, sys, torch.distributed as d\n"
@@ -40,7 +42,8 @@ class _Host:
     def __init__(self, libuv: bool) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER.format(libuv=libuv)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
+        if self.proc.stdout is None:
+            raise BenchError("the simulator process has no stdout pipe")
         self.port = int(self.proc.stdout.readline())
 
     def cpu(self) -> float:
@@ -49,7 +52,8 @@ class _Host:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def close(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.stdin is None or self.proc.stdout is None:
+            raise BenchError("the simulator process has no pipes")
         self.proc.stdin.close()  # the server reads stdin to its end, then exits
         try:
             self.proc.wait(timeout=10)

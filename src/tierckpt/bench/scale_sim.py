@@ -25,7 +25,11 @@ from typing import Any
 from tierckpt.bench.storecount import Counter, CountingStore
 from tierckpt.launcher.control import JobControl, Liveness
 
-__all__ = ["serve"]
+__all__ = ["BenchError", "serve"]
+
+
+class BenchError(RuntimeError):
+    """A figure the simulation should have produced is missing."""
 
 _MONITOR_TICK_S = 0.1  # tierckpt run's --monitor-interval
 
@@ -171,27 +175,33 @@ def serve(conn: Connection, port: int, connect_lock: Any) -> None:
             ours = _Ours(port, msg[1], msg[2], msg[3], connect_lock)
             conn.send("ready")
         elif op == "start":
-            assert ours is not None
+            if ours is None:
+                raise BenchError("ours has no figure")
             ours.start()
             conn.send("started")
         elif op == "count":
-            assert ours is not None
+            if ours is None:
+                raise BenchError("ours has no figure")
             _answer(conn, lock, ours.count)
         elif op == "generation":  # answers when it ends; "count" is answered meanwhile
-            assert ours is not None
+            if ours is None:
+                raise BenchError("ours has no figure")
             threading.Thread(target=_answer, args=(conn, lock, ours.generation, msg[1], msg[2]), daemon=True).start()
         elif op == "torch":
             torch_ = _Torch(port, msg[1], msg[2], msg[3], connect_lock)
             conn.send("ready")
         elif op == "first":
-            assert torch_ is not None
+            if torch_ is None:
+                raise BenchError("torch has no figure")
             conn.send({"ops": torch_.ops.value, "done": torch_.rendezvous()})
         elif op == "kill":
-            assert torch_ is not None
+            if torch_ is None:
+                raise BenchError("torch has no figure")
             torch_.kill(msg[1])
             conn.send("killed")
         elif op == "again":
-            assert torch_ is not None
+            if torch_ is None:
+                raise BenchError("torch has no figure")
             before = torch_.ops.value
             conn.send({"done": torch_.rendezvous(), "ops": torch_.ops.value - before})
         elif op == "exit":

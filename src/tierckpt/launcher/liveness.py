@@ -159,7 +159,8 @@ class Liveness:
         self._thread.join(timeout=5)
 
     def _watch_lost(self, now: float) -> list[int]:
-        assert self._watch is not None
+        if self._watch is None:  # not the watcher: nothing of its own to report
+            return sorted(self._watch_since_lost)
         return sorted(set(self._watch.silent(now)) | set(self._watch_since_lost))
 
     def _run(self) -> None:
