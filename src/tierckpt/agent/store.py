@@ -28,6 +28,7 @@ from tierckpt.agent import safefs
 from tierckpt.config import validate_namespace
 from tierckpt.errors import ConfigError, IntegrityError, TierckptError
 from tierckpt.integrity import sealed_manifest_bytes
+from tierckpt.nodebudget import node_usage_bytes
 from tierckpt.tiers.local import LocalTier
 
 __all__ = ["OWNERS", "QUARANTINE", "Held", "NodeStore", "owner_hash", "select_evictions"]
@@ -207,18 +208,7 @@ class NodeStore:
 
     def usage_bytes(self) -> int:
         """Bytes of every file under the memory root, each inode counted once (slots included)."""
-        seen: set[tuple[int, int]] = set()
-        total = 0
-        for dirpath, _, files in os.walk(self.root):
-            for name in files:
-                try:
-                    st = os.lstat(os.path.join(dirpath, name))
-                except FileNotFoundError:
-                    continue
-                if (st.st_dev, st.st_ino) not in seen:
-                    seen.add((st.st_dev, st.st_ino))
-                    total += st.st_blocks * 512
-        return total
+        return node_usage_bytes(self.root)
 
     def delete(self, h: Held) -> None:
         """Remove a copy (the marker first, so it stops counting at once); links are not followed."""
