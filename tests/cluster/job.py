@@ -26,22 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from tests.cluster.hosts import Cluster, Host
+from tierckpt.bench.twonode import read_jsonl
 
 NS = "scn"
 RDZV_PORT = 29400
 AGENT_PORT = 7601
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return out
 
 
 def host_env(**extra: str) -> dict[str, str]:

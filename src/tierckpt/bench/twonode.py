@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["LAUNCHERS", "JobTimeout", "TwoNodeJob"]
+__all__ = ["LAUNCHERS", "JobTimeout", "TwoNodeJob", "read_jsonl"]
 
 LAUNCHERS = ("tierckpt", "torchrun")
 RANKS = (0, 1)
@@ -47,7 +47,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _jsonl(path: Path) -> list[dict[str, Any]]:
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every complete JSON line of ``path`` (none if it does not exist yet)."""
     if not path.exists():
         return []
     out = []
@@ -174,11 +175,11 @@ class TwoNodeJob:
         return self.root / f"events{node}.jsonl"
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        evs = [e for n in (0, 1) for e in _jsonl(self.events_path(n))]
+        evs = [e for n in (0, 1) for e in read_jsonl(self.events_path(n))]
         return [e for e in evs if name is None or e.get("event") == name]
 
     def trace(self, rank: int) -> list[dict[str, Any]]:
-        return _jsonl(self.work / f"trace_rank{rank}.jsonl")
+        return read_jsonl(self.work / f"trace_rank{rank}.jsonl")
 
     def min_step(self) -> int:
         return min(max((e["step"] for e in self.trace(r) if e["event"] == "step"), default=-1) for r in RANKS)
