@@ -267,30 +267,46 @@ def goals(rows: dict[int, dict[str, Any]], cap: float) -> list[str]:
     return out
 
 
-def _plot(rows: dict[int, dict[str, Any]], cap: float, path: str) -> None:
+def series(rows: dict[int, dict[str, Any]], cap: float) -> dict[str, list[float | None]]:
+    """The plotted lines, one value per N in ``rows``' order; torch's unfinished rounds at ``cap``."""
+    ns = list(rows)
+    out: dict[str, list[float | None]] = {}
+    for key, label in (("fault_all_stopped_s", "fault → all stopped"), ("restart_agreement_s", "restart agreement"),
+                       ("rerdzv_s", "re-rendezvous (ours)")):
+        out[label] = [rows[n]["ours"].get(key) for n in ns]
+    if any(rows[n]["torch"] for n in ns):
+        out[f"re-rendezvous (torch c10d; {cap:g} s = did not finish)"] = [
+            (rows[n]["torch"].get("rerdzv_s") or cap) if rows[n]["torch"] else None for n in ns]
+    return out
+
+
+def _plot(rows: dict[int, dict[str, Any]], cap: float, path: str) -> bool:
+    """Write the PNG at ``path``: seconds per simulated N, log-log; False without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("--plot needs matplotlib: pip install matplotlib", file=sys.stderr)
-        return
+        print("--plot needs matplotlib: pip install 'tierckpt[bench]' (or matplotlib)", file=sys.stderr)
+        return False
     ns = list(rows)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("fault_all_stopped_s", "fault → all stopped"), ("restart_agreement_s", "restart agreement"),
-                       ("rerdzv_s", "re-rendezvous (ours)")):
-        ax.plot(ns, [rows[n]["ours"].get(key) for n in ns], marker="o", label=label)
-    ax.plot(ns, [rows[n]["torch"].get("rerdzv_s") or cap for n in ns], marker="x", linestyle="--",
-            label=f"re-rendezvous (torch c10d; {cap:g} s = did not finish)")
+    for label, ys in series(rows, cap).items():
+        torch_line = label.startswith("re-rendezvous (torch")
+        ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="x" if torch_line else "o",
+                linestyle="--" if torch_line else "-", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("simulated nodes")
     ax.set_ylabel("seconds")
-    ax.legend()
+    ax.set_title("tierckpt control plane: recovery time per cluster size")
+    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
+    plt.close(fig)
     print(f"plot: {path}")
+    return True
 
 
 def main(argv: list[str]) -> int:
@@ -325,6 +341,6 @@ def main(argv: list[str]) -> int:
     print("\n".join(goals(rows, a.rdzv_cap)))
     print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())} on {os.cpu_count()} CPUs "
           "(shared: timings are upper bounds)")
-    if a.plot:
-        _plot(rows, a.rdzv_cap, a.plot)
+    if a.plot and not _plot(rows, a.rdzv_cap, a.plot):
+        return 1
     return 0
