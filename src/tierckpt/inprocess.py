@@ -14,9 +14,11 @@ rolls back from its own memory tier, in the same interpreter (imports and compil
 
     tierckpt.resilient(train)()
 
-Call order (every rank, the main thread): ``resilient(fn)()`` connects the job's store once
-(``MASTER_ADDR``/``MASTER_PORT``, rank 0 hosts it, as ``init_process_group("env://")`` would);
-then per generation k: ``init_process_group`` on the store prefix ``tierckpt/inproc/<k>/``, a
+Call order (every rank, the main thread): ``resilient(fn)()`` connects the coordination store
+once: under ``tierckpt run`` the one its group-rank-0 agent hosts (``TIERCKPT_INPROC_STORE=
+host:port/scope``, keys under ``tierckpt/inproc/<scope>/``, so it outlives any worker), else
+``MASTER_ADDR``/``MASTER_PORT`` with rank 0 hosting it, as ``init_process_group("env://")`` would;
+then per generation k: ``init_process_group`` on the store prefix ``<keys>/<k>/pg``, a
 watchdog thread (``inprocess_watch``), ``fn(gen)``. A fault is one of: an exception out of ``fn`` on
 any rank (a non-finite ``monitor.step`` loss is one), another rank's fault (a key in the store),
 or a request of ``tierckpt run`` (``inproc_request`` in ``TIERCKPT_MONITOR_DIR``: a hang, a
@@ -25,8 +27,12 @@ aborts its group (for gloo: shuts down the group's sockets, which unblocks a pee
 collective at once; ``destroy_process_group`` and ``ProcessGroup.abort`` do not; for NCCL:
 ``abort``), and a rank outside any collective gets ``RestartRequested`` raised in its main
 thread (SIGUSR2). Then ``destroy_process_group``, a store barrier (every rank left k) and
-generation k+1. A rank whose process died cannot come back this way: the barrier times out
-and ``InProcessRestartError`` ends the process, so ``tierckpt run`` restarts the processes.
+generation k+1. A rank whose process died comes back as a replacement process that
+``tierckpt run`` starts with ``TIERCKPT_INPROC_JOIN=<reason>`` (agent-hosted store only): it reads
+the current generation k from the store, marks the fault (and ``<k>/crash``, which names the
+reason of k+1 on every rank), counts itself in k's barrier for the dead rank and joins k+1.
+Without a replacement the barrier times out and ``InProcessRestartError`` ends the process, so
+``tierckpt run`` restarts the processes.
 
 Each restart is appended to ``inproc_<local rank>.jsonl`` in ``TIERCKPT_MONITOR_DIR`` (the
 launcher turns it into a ``restart`` event with ``kind="inprocess"``).
@@ -55,6 +61,8 @@ __all__ = ["Generation", "Resilient", "resilient"]
 
 T = TypeVar("T")
 REQUEST_FILE = "inproc_request"  # written by tierckpt run: an increasing request counter
+STORE_ENV = "TIERCKPT_INPROC_STORE"  # host:port/scope of the agent-hosted store (tierckpt run)
+JOIN_ENV = "TIERCKPT_INPROC_JOIN"  # set on a replacement process: the fault it replaces a rank for
 _SIGNAL = signal.SIGUSR2
 _POLL_S = 0.05
 _GRACE_S = 0.3  # a rank inside a collective leaves it by the abort; the signal is for the others
@@ -112,22 +120,23 @@ class Resilient(Generic[T]):
         self._fault = threading.Event()
         self._reason: str | None = None
         self._fault_time: float | None = None
+        self._keys = "tierckpt/inproc/"
 
     def __call__(self) -> T:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-        timeout = datetime.timedelta(seconds=self.rejoin_timeout_s)
-        store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
-        watch_store = dist.TCPStore(host, port, world, False, timeout=timeout)  # type: ignore[attr-defined]
+        store, watch_store, self._keys = _connect(rank, world, self.rejoin_timeout_s)
         monitor_dir = os.environ.get("TIERCKPT_MONITOR_DIR")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         report = os.path.join(monitor_dir, f"inproc_{local_rank}.jsonl") if monitor_dir else None
         previous = signal.signal(_SIGNAL, self._on_signal)
-        gen = Generation(0, rank, world)
-        _report(report, event="ready", k=0, rank=rank, pid=os.getpid())
+        joining = os.environ.get(JOIN_ENV) if os.environ.get(STORE_ENV) else None
+        gen = Generation(0, rank, world) if not joining else self._join(store, joining, rank, world, report)
+        _report(report, event="ready", k=gen.index, rank=rank, pid=os.getpid(),
+                store="agent" if os.environ.get(STORE_ENV) else "rank0")
         try:
             while True:
                 t_pg = time.time()
+                store.set(f"{self._keys}current", str(gen.index))  # what a replacement process joins
                 aborter = self._init_group(store, gen.index, rank, world)
                 gen.stages_s["pg"] = time.time() - t_pg
                 watchdog = threading.Thread(target=self._watch, name="tierckpt-inprocess-watch", daemon=True,
@@ -156,7 +165,7 @@ class Resilient(Generic[T]):
             os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
         before = _open_fds()
         dist.init_process_group(self.backend, store=dist.PrefixStore(  # type: ignore[attr-defined]
-            f"tierckpt/inproc/{k}/pg", store), rank=rank,
+            f"{self._keys}{k}/pg", store), rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=self.collective_timeout_s))
         monitor.set_non_finite_hook(_raise_non_finite)
         return _Aborter(before, self.backend)
@@ -169,7 +178,7 @@ class Resilient(Generic[T]):
         mine = self._reason or (exc.reason if isinstance(exc, RestartRequested) else type(exc).__name__)
         t_fault = self._fault_time or t_left
         # the first fault marked wins: a peer's "connection closed" names the cause, not itself
-        first = store.compare_set(f"tierckpt/inproc/{k}/fault", "", f"{mine} on rank {gen.rank}")
+        first = store.compare_set(f"{self._keys}{k}/fault", "", f"{mine} on rank {gen.rank}")
         reason = bytes(first).decode().split(" on rank ")[0] or mine
         aborter.abort()
         self._fault.set()
@@ -179,14 +188,9 @@ class Resilient(Generic[T]):
         if k >= self.max_restarts:
             raise InProcessRestartError(f"{self.max_restarts} in-process restarts used up; last fault: {reason}",
                                         generation=k) from exc
-        store.add(f"tierckpt/inproc/{k}/left", 1)
-        deadline = time.monotonic() + self.rejoin_timeout_s
-        while int(store.add(f"tierckpt/inproc/{k}/left", 0)) < gen.world_size:
-            if time.monotonic() > deadline:
-                raise InProcessRestartError(f"not every rank left generation {k} within {self.rejoin_timeout_s:g}s "
-                                            "(a process died?): the launcher restarts the processes",
-                                            generation=k) from exc
-            time.sleep(0.005)
+        self._barrier(store, k, gen.world_size, exc)
+        if store.check([f"{self._keys}{k}/crash"]):  # a replacement joined for a dead rank: that is the cause
+            reason = store.get(f"{self._keys}{k}/crash").decode()
         stages = {"leave": t_left - t_fault, "stop": t_stop - t_left, "barrier": time.time() - t_stop}
         _report(report, event="restart", k=k + 1, rank=gen.rank, reason=reason, pid=os.getpid(),
                 fault_time=t_fault, error=f"{type(exc).__name__}: {exc}"[:300], stages_s=stages)
@@ -194,7 +198,7 @@ class Resilient(Generic[T]):
 
     def _watch(self, store: Any, k: int, aborter: _Aborter, monitor_dir: str | None) -> None:
         """Watchdog thread: a peer's fault key or the launcher's request aborts the group."""
-        key = f"tierckpt/inproc/{k}/fault"
+        key = f"{self._keys}{k}/fault"
         request = os.path.join(monitor_dir, REQUEST_FILE) if monitor_dir else None
         seen = _read_counter(request)
         while not self._fault.wait(_POLL_S):
@@ -213,6 +217,33 @@ class Resilient(Generic[T]):
             signal.pthread_kill(threading.main_thread().ident or 0, _SIGNAL)
             return
 
+    def _barrier(self, store: Any, k: int, world: int, exc: BaseException | None) -> None:
+        """Count this rank out of generation k; wait until every rank (or its replacement) did."""
+        store.add(f"{self._keys}{k}/left", 1)
+        deadline = time.monotonic() + self.rejoin_timeout_s
+        while int(store.add(f"{self._keys}{k}/left", 0)) < world:
+            if time.monotonic() > deadline:
+                raise InProcessRestartError(f"not every rank left generation {k} within {self.rejoin_timeout_s:g}s "
+                                            "(a process died?): the launcher restarts the processes",
+                                            generation=k) from exc
+            time.sleep(0.005)
+
+    def _join(self, store: Any, reason: str, rank: int, world: int, report: str | None) -> Generation:
+        """A replacement process: stand in for the dead ``rank`` in the barrier of the current
+        generation k, naming ``reason`` as the fault, and start at k+1 with the survivors."""
+        t0 = time.time()
+        k = int(store.get(f"{self._keys}current"))
+        store.compare_set(f"{self._keys}{k}/fault", "", f"{reason} on rank {rank}")
+        store.set(f"{self._keys}{k}/crash", reason)  # before the barrier: every rank reads it after
+        if k >= self.max_restarts:
+            raise InProcessRestartError(f"{self.max_restarts} in-process restarts used up; last fault: {reason}",
+                                        generation=k)
+        self._barrier(store, k, world, None)
+        stages = {"barrier": time.time() - t0}
+        _report(report, event="restart", k=k + 1, rank=rank, reason=reason, pid=os.getpid(), fault_time=t0,
+                error=None, stages_s=stages, joined=True)
+        return Generation(k + 1, rank, world, reason=reason, stages_s=stages, fault_time=t0)
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
             self._armed = False
@@ -223,6 +254,26 @@ def resilient(fn: Callable[[Generation], T], *, backend: str = "gloo", max_resta
               rejoin_timeout_s: float = 60.0) -> Resilient[T]:
     """``fn`` wrapped for in-process restarts; call the result from the main thread of every rank."""
     return Resilient(fn, backend=backend, max_restarts=max_restarts, rejoin_timeout_s=rejoin_timeout_s)
+
+
+def _connect(rank: int, world: int, timeout_s: float) -> tuple[Any, Any, str]:
+    """(store, the watchdog's store, key prefix): the agent-hosted store when ``tierckpt run``
+    names one (``TIERCKPT_INPROC_STORE``), else the job's ``MASTER_ADDR:MASTER_PORT`` hosted by rank 0."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    hosted = os.environ.get(STORE_ENV)
+    if hosted:
+        addr, _, scope = hosted.partition("/")
+        where, _, digits = addr.rpartition(":")
+        if not where or not digits.isdigit() or not scope:
+            raise InProcessRestartError(f"{STORE_ENV}={hosted!r} is not host:port/scope; unset it to use "
+                                        "MASTER_ADDR/MASTER_PORT", generation=0)
+        stores = [dist.TCPStore(where, int(digits), None, False, timeout=timeout,  # type: ignore[attr-defined]
+                                wait_for_workers=False) for _ in range(2)]
+        return stores[0], stores[1], f"tierckpt/inproc/{scope}/"
+    host, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+    watch = dist.TCPStore(host, port, world, False, timeout=timeout)  # type: ignore[attr-defined]
+    return store, watch, "tierckpt/inproc/"
 
 
 def _raise_non_finite(step: int, loss: float | None) -> None:

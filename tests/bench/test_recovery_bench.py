@@ -106,3 +106,24 @@ def test_compiled_nan_in_process(shm_root: Path, tmp_path: Path, capsys: pytest.
     assert all(fig["stages_s"][s] is not None for s in ("detect", "stop", "pg", "load", "first_step")), printed
     assert "load average" in printed
     assert not _processes_naming(str(logs)), "the bench left processes behind"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_compiled_kill_replaces_the_dead_rank_alone(shm_root: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``--compile``, SIGKILL: the in-process column comes from a replacement joining the survivor
+    (no process stopped), with the replacement's own stages."""
+    out, logs = tmp_path / "compiled.json", tmp_path / "logs"
+    rc = recovery.main(["--compile", "--scenarios", "kill", "--launchers", "inprocess", "--cap", "90",
+                        "--shm-dir", "/dev/shm", "--logs", str(logs), "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    fig = json.loads(out.read_text())["figures"]["kill"]["inprocess"]
+    assert fig["median_s"] is not None and fig["median_s"] > 0 and not fig["capped"], printed
+    assert all(fig["replacement_s"][s] is not None for s in ("spawn", "imports", "join", "load", "compile")), printed
+    assert "replacement: compile" in printed
+    events = [json.loads(x) for p in logs.rglob("events*.jsonl") for x in p.read_text().splitlines()]
+    assert [e["kind"] for e in events if e["event"] == "restart"] == ["replace", "replace"], events
+    assert not [e for e in events if e["event"] == "stopped"], "the survivor must not be stopped"
+    assert not _processes_naming(str(logs)), "the bench left processes behind"

@@ -10,14 +10,17 @@ two agents x one worker (``twonode``). Launchers: ``inprocess`` (``tierckpt run`
 under ``tierckpt.resilient``), ``warm``, ``cold`` (``--no-warm``) and ``torchrun``. Faults on
 rank 1: ``nan`` (a non-finite loss at ``--fault-step``; under torchrun the job exits on it,
 what a torchrun job does), ``hang`` (rank 1 blocks forever, rank 0 in its all-reduce;
-torchrun has no hang detection: capped at ``--cap``), ``kill`` (SIGKILL of the worker; the
-in-process job falls back to a warm process restart). The figure: the fault (traced by the
-job, or the kill) until both ranks finished their first step after the restore. Stages (each
+torchrun has no hang detection: capped at ``--cap``), ``kill`` (SIGKILL of the worker; under
+the in-process job the survivor stays in-process and one replacement, a warm standby, joins it:
+launcher/replace.py). The figure: the fault (traced by the job, or the kill) until both ranks
+finished their first step after the restore. Stages (each
 ends when the slower rank reaches it): detect (-> the launcher's fault event, or the rank that
 saw it first), stop (-> the ranks left the step: processes stopped and restarted, or the
 in-process barrier), process group (-> ``pg`` traced), load (-> state restored), first step
 (-> both ranks stepped; ``recompile``: the first forward's share of it, where a new process
-compiles). Goals: NaN and hang <= 0.1 x torchrun, SIGKILL <= 0.3 x torchrun (a torchrun hang
+compiles). A replacement's own stages (``REPLACEMENT``, from its trace): spawn (the kill -> its
+script runs), imports, join (-> its process group of the next in-process generation), load,
+compile (its first forward, from the on-disk inductor caches). Goals: NaN and hang <= 0.1 x torchrun, SIGKILL <= 0.3 x torchrun (a torchrun hang
 not recovered in ``--cap`` counts as ``--cap``: the ratio is then an upper bound).
 """
 
@@ -41,6 +44,7 @@ __all__ = ["main"]
 SCENARIOS = ("nan", "hang", "kill")
 LAUNCHERS = ("inprocess", "warm", "cold", "torchrun")
 STAGES = ("detect", "stop", "pg", "load", "first_step")
+REPLACEMENT = ("spawn", "imports", "join", "load", "compile")
 _GOALS = {"nan": 0.1, "hang": 0.1, "kill": 0.3}
 _START_S = 300.0
 _SHORT = {"inprocess": "ip", "warm": "warm", "cold": "cold", "torchrun": "tr"}
@@ -130,7 +134,7 @@ def _run_one(job: _CompiledJob, args: argparse.Namespace) -> dict[str, Any]:
             if job.label in ("warm", "inprocess"):
                 job.wait_for(lambda: job.standbys_ready() or (job.exited() and "exited"), _START_S, "ready standbys")
             job.wait_for(lambda: job.min_step() >= args.fault_step, _START_S, "the fault step")
-            _, pid = job.victim(node=1)
+            victim_rank, pid = job.victim(node=1)
             t_fault = time.time()
             os.kill(pid, signal.SIGKILL)
         else:
@@ -140,7 +144,10 @@ def _run_one(job: _CompiledJob, args: argparse.Namespace) -> dict[str, Any]:
             firsts = job.wait_for(lambda: _first_steps(job, t_fault), args.cap, "both ranks to step again")
         except JobTimeout:
             return {"value_s": None, "capped_s": args.cap}
-        return {"value_s": max(e["time"] for e in firsts.values()) - t_fault, **_stages(job, t_fault, firsts)}
+        out = {"value_s": max(e["time"] for e in firsts.values()) - t_fault, **_stages(job, t_fault, firsts)}
+        if job.scenario == "kill" and job.label == "inprocess":
+            out["replacement_s"] = _replacement(job, victim_rank, pid, t_fault)
+        return out
     except JobTimeout as exc:
         return {"value_s": None, "error": str(exc)}
     finally:
@@ -157,6 +164,21 @@ def _first_steps(job: _CompiledJob, t_fault: float) -> dict[int, dict[str, Any]]
         if step is None:
             return None
         out[r] = step
+    return out
+
+
+def _replacement(job: _CompiledJob, rank: int, dead: int, t_fault: float) -> dict[str, float | None]:
+    """The replacement process's own stages (its trace: start, imported, pg, resumed, first step)."""
+    tr = [e for e in job.trace(rank) if e["pid"] != dead and e["time"] > t_fault]
+    marks = [next((float(e["time"]) for e in tr if e["event"] == ev), None)
+             for ev in ("start", "imported", "pg", "resumed")]
+    first = next((e for e in tr if e["event"] == "step"), None)
+    out: dict[str, float | None] = {}
+    prev: float | None = t_fault
+    for name, mark in zip(REPLACEMENT[:4], marks, strict=True):
+        out[name] = None if mark is None or prev is None else max(0.0, mark - prev)
+        prev = mark
+    out["compile"] = None if first is None else float(first.get("forward_s", 0.0))
     return out
 
 
@@ -203,6 +225,10 @@ def _summarise(runs: list[dict[str, Any]], scenarios: tuple[str, ...], launchers
                          if any("recompile_s" in r for r in mine) else None,
                          "stages_s": {s: statistics.median(x[s] for x in stages if x[s] is not None)
                                       if any(x[s] is not None for x in stages) else None for s in STAGES}}
+            reps = [r["replacement_s"] for r in mine if "replacement_s" in r]
+            if reps:
+                fig[mode]["replacement_s"] = {s: statistics.median(x[s] for x in reps if x[s] is not None)
+                                              if any(x[s] is not None for x in reps) else None for s in REPLACEMENT}
         figures[sc] = fig
         tr, ip = fig.get("torchrun", {}), fig.get("inprocess", {})
         if tr.get("median_s") and ip.get("median_s") is not None and not ip.get("capped"):
@@ -242,6 +268,10 @@ def format_report(doc: dict[str, Any]) -> str:
             lines.append(f"  {'    ' + s:<34}" + "".join(f"{_fmt(fig[c]['stages_s'][s]):>{w}}" for c in cols))
         lines.append(f"  {'      of which recompile (1st fwd)':<34}" +
                      "".join(f"{_fmt(fig[c]['recompile_s']):>{w}}" for c in cols))
+        if any("replacement_s" in fig[c] for c in cols):
+            for s in REPLACEMENT:
+                lines.append(f"  {'    replacement: ' + s:<34}" + "".join(
+                    f"{_fmt(fig[c].get('replacement_s', {}).get(s)):>{w}}" for c in cols))
     lines.append("goals")
     for g in doc["goals"]:
         verdict = "n/a " if g["pass"] is None else ("PASS" if g["pass"] else "MISS")

@@ -44,9 +44,10 @@ from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
+from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.rules import RuleMonitor
 from tierckpt.launcher.wake import Waker
-from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
+from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
 from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import NON_FINITE_LOSS, read_beat
@@ -83,6 +84,7 @@ class TierckptAgent(LocalElasticAgent):
         # ``node`` is the group rank, known from the first rendezvous on (None before it)
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
         self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess.py)
+        self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
         self._calibrated_reported = False
         self._node_agent: Any = None
         self._peers_next = 0.0  # when to look for other nodes' agents in the store next
@@ -205,6 +207,7 @@ class TierckptAgent(LocalElasticAgent):
         static = static_env(self.opts, self._beat_dir)
         if self.resume_before is not None:
             static[resume.ENV] = str(self.resume_before)
+        static.update(self._inproc_store.env(self.ctl, self.node, g, addr, timeout_s=max(60.0, self.opts.node_timeout_s)))
         envs, args = worker_envs(worker_group, generation=g, addr=addr, port=port, static=static,
                                  set_local_rank_env=lambda env, lr: self._set_local_rank_env(
                                      env, lr, worker_group.spec))  # type: ignore[arg-type]
@@ -526,7 +529,7 @@ class TierckptAgent(LocalElasticAgent):
                 self._polled_at = time.monotonic()
                 if local is None:
                     continue
-                claimed = self.ctl.claim(self.generation, local)
+                claimed = self.ctl.claim(self.generation, self._tagged(local))
             outcome = self._recover(claimed)
             if outcome is not None:
                 return outcome
@@ -550,9 +553,12 @@ class TierckptAgent(LocalElasticAgent):
         self._watch_resume()  # the beats observed by the poll that found the fault count too
         self._recovering = None
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
-                         detection_latency_s=fault.get("detection_latency_s"),
+                         detection_latency_s=fault.get("detection_latency_s"), **_kind(fault),
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
-        if self._inproc.handles(fault) and self._inproc.restart(g, fault.get("reason")) is not None:
+        if self._replace_alone(fault, g, t_detect):
+            return None
+        if self._inproc.handles(fault, self.node) and self._inproc.restart(
+                g, fault.get("reason"), kind=str(fault.get("kind") or "inprocess")) is not None:
             self.generation = g + 1  # the processes stay; a fresh claim key for the next fault
             self._rearm_trackers()
             return None
@@ -592,6 +598,45 @@ class TierckptAgent(LocalElasticAgent):
                          why=decision.reason, handover_s=round(handover, 3), resume_before=self.resume_before,
                          pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
         return None
+
+    def _tagged(self, record: dict[str, Any]) -> dict[str, Any]:
+        """A local crash, marked for a replacement alone when the workers allow it and the escalation
+        decision (on the history as it will be once claimed) restarts (replace.py)."""
+        if record.get("reason") != "Crash" or not self._inproc.replaceable:
+            return record
+        g = self.generation
+        history = [_fault_of(r) for r in self.ctl.history(g - 1)] + [_fault_of(record)]
+        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
+                                               prior_restarts=restarts_before(history),
+                                               seed=zlib.crc32(f"{self._worker_group.spec.rdzv_handler.get_run_id()}:{g}".encode()))
+        return tag(record, replaceable=True, decision=decision)
+
+    def _replace_alone(self, fault: dict[str, Any], g: int, t_detect: float) -> bool:
+        """This node's worker died under the wrapper: one replacement process joins the survivors'
+        next in-process generation (replace.py). False: nothing replaced, or it did not join."""
+        wg, ctx = self._worker_group, self._pcontext
+        lr = next((w.local_rank for w in wg.workers if w.global_rank == fault.get("rank")), None)
+        if fault.get("kind") != REPLACE or fault.get("node") != self.node or lr is None or \
+                not isinstance(ctx, WarmSubprocessContext):
+            return False
+        self._history = [_fault_of(r) for r in self.ctl.history(g)]
+        self._restarts = restarts_before(self._history) + len(self._history)
+        if float(fault.get("delay_s") or 0.0) > 0:
+            self.events.emit("backoff", generation=g, delay_s=round(float(fault["delay_s"]), 3), why=fault.get("why"))
+            time.sleep(float(fault["delay_s"]))
+        pid, warm = ctx.replace(lr, {JOIN_ENV: str(fault.get("reason"))})
+        wg.workers[lr].id = pid
+        if self._reaper is not None:
+            self._reaper.watch(list(ctx.pids().values()))
+        if self._inproc.restart(g, fault.get("reason"), kind=REPLACE, since=time.time() - (time.monotonic() - t_detect),
+                                rank=fault.get("rank"), pid=pid, warm=warm, why=fault.get("why")) is None:
+            self.events.emit("warning", generation=g, what=f"the replacement of rank {fault.get('rank')} (pid {pid}) "
+                             "did not join the survivors in time: restarting every process")
+            return False
+        self.generation = g + 1
+        self._rearm_trackers()
+        self._recovering = t_detect  # ``recovered``: at the first beat of every local rank
+        return True
 
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
         g = self.generation
@@ -671,6 +716,11 @@ def _store_errors() -> tuple[type[BaseException], ...]:
     import torch.distributed as dist
 
     return (dist.DistError,) if hasattr(dist, "DistError") else (RuntimeError,)
+
+
+def _kind(fault: dict[str, Any]) -> dict[str, Any]:
+    """``{"kind": "replace"}`` for a crash tagged for a replacement alone, else nothing."""
+    return {"kind": fault["kind"]} if fault.get("kind") == REPLACE else {}
 
 
 def _fault_of(rec: dict[str, Any]) -> Fault:

@@ -8,10 +8,13 @@ Call order (the agent, one per node, every monitor interval):
   2. ``poll()``: the workers' new records; a restart the workers started themselves (an
      exception, a non-finite loss) becomes a ``fault`` and a ``restart`` event; True when the
      agent should re-arm its heartbeat trackers (the steps went back, the step paused).
-  3. On a fault the agent claimed: ``handles(fault)`` (every local worker runs under the
-     wrapper and all processes live: a hang, a non-finite loss, a log rule); then
-     ``restart(generation)`` bumps the request counter and waits until every local worker
-     reports the restart; None (timeout) sends the agent down the process-restart path.
+  3. On a fault the agent claimed: ``handles(fault, node)`` (``replace.route`` says in-process:
+     every local worker runs under the wrapper and all local processes live: a hang, a
+     non-finite loss, a log rule, another node's worker replaced alone); then
+     ``restart(generation)`` bumps the request counter (not for a replacement: the store's
+     fault key tells the workers) and waits until every local worker reports the restart; None
+     (timeout) sends the agent down the process-restart path. ``replaceable`` (every local
+     worker ready on the agent-hosted store, budget left) lets a local crash be replaced alone.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import time
 from typing import Any
 
 from tierckpt.launcher.events import Events
+from tierckpt.launcher.replace import REPLACE, Route, route
 
 __all__ = ["InProcessRestarts"]
 
 REQUEST_FILE = "inproc_request"  # the workers' watchdog reads it (tierckpt.inprocess)
-# faults that leave every process alive and the membership unchanged
-_PROCESS_FAULTS = frozenset({"Crash", "LostNode", "MembershipChange", "LostStore"})
+_REPLACE_TIMEOUT_S = 60.0  # a replacement starts (cold, perhaps) and joins: the wrapper's rejoin timeout
 
 
 class InProcessRestarts:
@@ -41,6 +44,7 @@ class InProcessRestarts:
         self._ranks: list[int] = []
         self._offsets: dict[int, int] = {}
         self._ready: set[int] = set()
+        self._agent_store: set[int] = set()  # local ranks whose wrapper uses the agent-hosted store
         self._done: dict[int, set[int]] = {}  # in-process generation k -> local ranks that reported it
         self._records: dict[int, list[dict[str, Any]]] = {}  # k -> the workers' restart records
         self._seen: set[int] = set()  # generations already turned into events
@@ -49,13 +53,27 @@ class InProcessRestarts:
     def arm(self, beat_dir: str, local_ranks: list[int]) -> None:
         self._dir, self._ranks = beat_dir, sorted(local_ranks)
         self._offsets, self._ready, self._done, self._seen, self._requests = {}, set(), {}, set(), 0
-        self._records = {}
+        self._records, self._agent_store = {}, set()
 
-    def handles(self, fault: dict[str, Any]) -> bool:
+    @property
+    def wrapped(self) -> bool:
+        """Every local worker of this process generation reported ``ready`` under the wrapper."""
+        return bool(self._ranks) and self._ready == set(self._ranks)
+
+    @property
+    def budget_left(self) -> bool:
+        return self._requests < self.max_restarts and max(self._done, default=0) < self.max_restarts
+
+    @property
+    def replaceable(self) -> bool:
+        """A local worker that dies can be replaced alone: all wrapped, on the agent-hosted store."""
         self._read()
-        return bool(self._ranks) and self._ready == set(self._ranks) and \
-            fault.get("reason") not in _PROCESS_FAULTS and not str(fault.get("reason", "")).endswith("Deadline") \
-            and self._requests < self.max_restarts
+        return self.wrapped and self._agent_store == set(self._ranks) and self.budget_left
+
+    def handles(self, fault: dict[str, Any], node: int | None = None) -> bool:
+        """Whether this node's workers restart in-process for ``fault`` (``replace.route``)."""
+        self._read()
+        return route(fault, node=node, wrapped=self.wrapped, budget_left=self.budget_left) == Route.INPROCESS
 
     def poll(self, generation: int) -> bool:
         """Events for restarts the workers began themselves; True when the trackers need re-arming."""
@@ -74,18 +92,22 @@ class InProcessRestarts:
                              recovery_s=round(time.time() - first["fault_time"], 3))
         return rearm
 
-    def restart(self, generation: int, reason: str | None) -> float | None:
-        """Ask this node's workers to restart in-process; seconds until all reported it, None on timeout."""
+    def restart(self, generation: int, reason: str | None, *, kind: str = "inprocess", since: float | None = None,
+                **detail: Any) -> float | None:
+        """Ask this node's workers to restart in-process (``kind="replace"``: a replacement joins
+        them, the store's fault key is their request); seconds from ``since`` (default: now) until
+        all reported it, None on timeout. ``detail`` goes into the ``restart`` event."""
         if self._dir is None:
             return None
-        t0 = time.time()
+        t0 = time.time() if since is None else since
         want = max(self._done, default=0) + 1
         self._requests += 1
-        tmp = os.path.join(self._dir, REQUEST_FILE + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(self._requests))
-        os.replace(tmp, os.path.join(self._dir, REQUEST_FILE))
-        deadline = time.monotonic() + self.timeout_s
+        if kind != REPLACE:
+            tmp = os.path.join(self._dir, REQUEST_FILE + ".tmp")
+            with open(tmp, "w") as f:
+                f.write(str(self._requests))
+            os.replace(tmp, os.path.join(self._dir, REQUEST_FILE))
+        deadline = time.monotonic() + (self.timeout_s if kind != REPLACE else max(self.timeout_s, _REPLACE_TIMEOUT_S))
         while self._done.get(want) != set(self._ranks):
             if time.monotonic() > deadline:
                 return None
@@ -93,8 +115,9 @@ class InProcessRestarts:
             self._read()
         self._seen.add(want)
         recovery = time.time() - t0
-        self.events.emit("restart", generation=generation, kind="inprocess", reason=reason, inprocess=want,
-                         recovery_s=round(recovery, 3))
+        stages = [r.get("stages_s") for r in self._records.get(want, []) if r.get("joined")]
+        self.events.emit("restart", generation=generation, kind=kind, reason=reason, inprocess=want,
+                         recovery_s=round(recovery, 3), **({"join_stages_s": stages[0]} if stages else {}), **detail)
         return recovery
 
     def _read(self) -> None:
@@ -114,6 +137,8 @@ class InProcessRestarts:
                 rec = json.loads(line)
                 if rec.get("event") == "ready":
                     self._ready.add(lr)
+                    if rec.get("store") == "agent":
+                        self._agent_store.add(lr)
                 elif rec.get("event") == "restart":
                     self._done.setdefault(int(rec["k"]), set()).add(lr)
                     self._records.setdefault(int(rec["k"]), []).append(rec)

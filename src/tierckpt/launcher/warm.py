@@ -27,9 +27,9 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from torch.distributed.elastic.multiprocessing.api import SubprocessContext
+from torch.distributed.elastic.multiprocessing.api import RunProcsResult, SubprocessContext
 from torch.distributed.elastic.multiprocessing.subprocess_handler import (
     SubprocessHandler,
     get_subprocess_handler,
@@ -218,9 +218,9 @@ class _WarmHandler(SubprocessHandler):
     """torch's handler around a standby's process instead of a new one (same ``proc``, ``close``)."""
 
     def __init__(self, standby: Standby, args: tuple[Any, ...], env: dict[str, str], stdout: str | None,
-                 stderr: str | None, local_rank_id: int) -> None:
-        self._stdout = open(stdout, "w") if stdout else None  # noqa: SIM115 - closed by close()
-        self._stderr = open(stderr, "w") if stderr else None  # noqa: SIM115
+                 stderr: str | None, local_rank_id: int, mode: Literal["w", "a"] = "w") -> None:
+        self._stdout = open(stdout, mode) if stdout else None  # noqa: SIM115 - closed by close()
+        self._stderr = open(stderr, mode) if stderr else None  # noqa: SIM115
         env_vars = os.environ.copy()
         env_vars.update(env)
         self.local_rank_id = local_rank_id
@@ -237,8 +237,23 @@ class _WarmHandler(SubprocessHandler):
         self.proc = standby.proc
 
 
+class _AppendHandler(SubprocessHandler):
+    """torch's cold handler, its output appended to the rank's log files (a replacement's)."""
+
+    def __init__(self, entrypoint: str, args: tuple[Any, ...], env: dict[str, str], stdout: str | None,
+                 stderr: str | None, local_rank_id: int) -> None:
+        self._stdout = open(stdout, "a") if stdout else None  # noqa: SIM115 - closed by close()
+        self._stderr = open(stderr, "a") if stderr else None  # noqa: SIM115
+        self.local_rank_id = local_rank_id
+        self.proc = self._popen((entrypoint, *[str(a) for a in args]), {**os.environ, **env})
+
+
 class WarmSubprocessContext(SubprocessContext):
-    """torch's ``SubprocessContext`` whose ranks are served by standbys when they can be."""
+    """torch's ``SubprocessContext`` whose ranks are served by standbys when they can be.
+
+    Unlike torch's, a failed rank does not stop the others at the poll: the agent decides, and
+    either stops them all (``close``) or ``replace``s the dead rank alone (replace.py).
+    """
 
     def __init__(self, *, pool: StandbyPool | None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -248,25 +263,51 @@ class WarmSubprocessContext(SubprocessContext):
     def _start(self) -> None:
         if self.subprocess_handlers:
             raise ValueError("the workers were started already")
-        entry = str(self.entrypoint)
         for local_rank in range(self.nprocs):
-            args, env = self.args[local_rank], self.envs[local_rank]
-            handler: SubprocessHandler | None = None
-            # a NUMA-bound rank runs under numactl: cold (a standby's memory is not on that node)
-            usable = self.pool is not None and self._numa_options is None and warmable(entry, args)
-            sb = self.pool.take({**os.environ, **env}) if self.pool is not None and usable else None
-            if sb is not None:
-                try:
-                    handler = _WarmHandler(sb, args, env, self.stdouts[local_rank], self.stderrs[local_rank],
-                                           local_rank)
-                    self.warm_ranks.append(local_rank)
-                except OSError:  # it died meanwhile: cold
-                    handler = None
-            if handler is None:
-                handler = get_subprocess_handler(entrypoint=entry, args=args, env=env,
-                                                 stdout=self.stdouts[local_rank], stderr=self.stderrs[local_rank],
-                                                 local_rank_id=local_rank, numa_options=self._numa_options)
+            handler, warm = self._handler(local_rank, self.envs[local_rank], append=False)
+            if warm:
+                self.warm_ranks.append(local_rank)
             self.subprocess_handlers[local_rank] = handler
+
+    def _handler(self, local_rank: int, env: dict[str, str], *, append: bool) -> tuple[SubprocessHandler, bool]:
+        """A process for ``local_rank``: (its handler, whether a standby serves it)."""
+        entry, args = str(self.entrypoint), self.args[local_rank]
+        out, err = self.stdouts[local_rank], self.stderrs[local_rank]
+        # a NUMA-bound rank runs under numactl: cold (a standby's memory is not on that node)
+        usable = self.pool is not None and self._numa_options is None and warmable(entry, args)
+        sb = self.pool.take({**os.environ, **env}) if self.pool is not None and usable else None
+        if sb is not None:
+            try:
+                return _WarmHandler(sb, args, env, out, err, local_rank, mode="a" if append else "w"), True
+            except OSError:  # it died meanwhile: cold
+                pass
+        if append:  # a replacement: torch's handler would truncate the rank's log (numactl is not applied)
+            return _AppendHandler(entry, args, env, out, err, local_rank), False
+        return get_subprocess_handler(entrypoint=entry, args=args, env=env, stdout=out, stderr=err,
+                                      local_rank_id=local_rank, numa_options=self._numa_options), False
+
+    def replace(self, local_rank: int, extra_env: Mapping[str, str]) -> tuple[int, bool]:
+        """Start ``local_rank`` again alone (its process died; the others run on): a standby if one
+        fits, else cold, with its first environment plus ``extra_env``. (pid, whether warm)."""
+        old = self.subprocess_handlers[local_rank]
+        for f in (old._stdout, old._stderr):
+            if f is not None and not f.closed:
+                f.close()
+        env = {**self.envs[local_rank], **extra_env}
+        handler, warm = self._handler(local_rank, env, append=True)
+        self.subprocess_handlers[local_rank] = handler
+        self._failures.pop(local_rank, None)
+        self._running_local_ranks.add(local_rank)
+        return int(handler.proc.pid), warm
+
+    def _poll(self) -> Any:
+        """torch's poll, without stopping the other ranks when one failed (the agent does, or not)."""
+        done: set[int] = set()
+        self._capture_process_failures(done)
+        self._running_local_ranks.difference_update(done)
+        if not self._failures:
+            return super()._poll()
+        return RunProcsResult(failures=dict(self._failures), stdouts=self.stdouts, stderrs=self.stderrs)
 
     def _close(self, death_sig: signal.Signals, timeout: int = 30) -> None:
         super()._close(death_sig=death_sig, timeout=timeout)
