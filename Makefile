@@ -4,19 +4,26 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt requirements-nodeps.txt | sha1sum | cut -c1-12)
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-slow test-all test-fast lint bench clean
 
 demo: $(STAMP)
 	$(BIN)/tierckpt demo
 
+# make test: lint and every test not marked slow (about 10 minutes on 2 cores); make test-slow: the
+# scenario tests (multi-process jobs, kill -9, namespaced hosts, Slurm); CI (.ci/run) runs both.
 test: $(STAMP)
 	@sh tests/cluster/install.sh  # root with apt: iproute2, slurm-wlm, munge when missing
 	$(BIN)/ruff check src tests
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
-
-test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	@sh tests/cluster/install.sh
+	$(BIN)/python -m pytest -q -m slow
+
+test-all: test test-slow
+
+test-fast: test
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

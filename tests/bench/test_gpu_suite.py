@@ -10,6 +10,7 @@ import pytest
 import torch
 
 
+@pytest.mark.slow  # 20-33 s on the loaded 2-core box: a fresh interpreter with torch, or a seed round-trip
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: tests/gpu covers the suite")
 def test_without_cuda_the_suite_exits_2_with_a_clear_line() -> None:
     proc = subprocess.run([sys.executable, "-m", "tierckpt.cli", "bench", "gpu"], capture_output=True, text=True,

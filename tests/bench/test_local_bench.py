@@ -70,6 +70,7 @@ def _check(doc: dict, world_size: int) -> None:
 
 
 # capfd, not capsys: with two ranks the progress lines come from rank 0's own process
+@pytest.mark.slow  # 20-33 s on the loaded 2-core box: a fresh interpreter with torch, or a seed round-trip
 def test_bench_one_rank(shm_root: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     _check(_run(shm_root, tmp_path, 1, capfd), 1)
 

@@ -27,6 +27,7 @@ COMMAND_ARGS = {  # each command's --help must explain these
 }
 
 
+@pytest.mark.slow  # 20-33 s on the loaded 2-core box: a fresh interpreter with torch, or a seed round-trip
 def test_version_through_the_installed_entry_point() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", "import sys; from tierckpt.cli import main; sys.exit(main())",

@@ -54,6 +54,7 @@ def _adapter(rank: int, memory_dir: str, durable_url: str) -> list[int]:
     return [newest_step(cfg)]
 
 
+@pytest.mark.slow  # 20-33 s on the loaded 2-core box: a fresh interpreter with torch, or a seed round-trip
 def test_adapter_saves_and_loads_as_torchtitan_calls_dcp(shm_root: Path, durable_dir: Path) -> None:
     results = run_ranks(_adapter, 2, str(shm_root), f"file://{durable_dir}", timeout=120)
     assert results == [[6], [6]]

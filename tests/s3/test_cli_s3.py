@@ -74,6 +74,7 @@ def test_promote_to_s3_commits_verifies_and_loads_alone(  # type: ignore[no-unty
     assert target["lr"] == want["lr"]
 
 
+@pytest.mark.slow  # 20-33 s on the loaded 2-core box: a fresh interpreter with torch, or a seed round-trip
 def test_gc_on_s3_takes_marker_less_steps_and_aborted_uploads_never_a_committed_step(  # type: ignore[no-untyped-def]
     config, argv, cli, s3_client, bucket
 ) -> None:

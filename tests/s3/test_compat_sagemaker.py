@@ -347,6 +347,7 @@ def s3_keys(bucket: str, prefix: str = "") -> list[str]:
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
 
+@pytest.mark.slow  # 20-33 s on the loaded 2-core box: a fresh interpreter with torch, or a seed round-trip
 @pytest.mark.s3
 @pytest.mark.parametrize("layout", ["default", "ray"])
 def test_steps_the_seed_wrote_load_through_the_compat_reader(
