@@ -35,7 +35,7 @@ def unavailable() -> str | None:
     missing = [t for t in TOOLS if shutil.which(t) is None]
     if missing:
         return (f"Slurm/munge not installed ({', '.join(missing)} missing): apt-get install slurm-wlm munge "
-                "(make test does it when root)")
+                "(make test and make test-slow do it when root)")
     return None
 
 
