@@ -633,6 +633,7 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=g, what=f"the replacement of rank {fault.get('rank')} (pid {pid}) "
                              "did not join the survivors in time: restarting every process")
             return False
+        self._save_state(g + 1, self.full_restarts)
         self.generation = g + 1
         self._rearm_trackers()
         self._recovering = t_detect  # ``recovered``: at the first beat of every local rank
