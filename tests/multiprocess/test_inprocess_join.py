@@ -64,7 +64,7 @@ def test_a_replacement_joins_the_survivor_in_process(tmp_path: Path, shm: Any) -
     procs = [_spawn(tmp_path, memory, r, master, store) for r in (0, 1)]
     try:
         deadline = time.monotonic() + 150
-        while min((e["step"] for e in _trace(tmp_path, 1) if e["event"] == "step"), default=-1) < 6 or \
+        while max((e["step"] for e in _trace(tmp_path, 1) if e["event"] == "step"), default=-1) < 6 or \
                 not [e for e in _trace(tmp_path, 0) if e["event"] == "step" and e["step"] >= 6]:
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), _logs(tmp_path)
             time.sleep(0.05)
