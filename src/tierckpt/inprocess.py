@@ -189,11 +189,12 @@ class Resilient(Generic[T]):
             raise InProcessRestartError(f"{self.max_restarts} in-process restarts used up; last fault: {reason}",
                                         generation=k) from exc
         self._barrier(store, k, gen.world_size, exc)
-        if store.check([f"{self._keys}{k}/crash"]):  # a replacement joined for a dead rank: that is the cause
+        replaced = bool(store.check([f"{self._keys}{k}/crash"]))
+        if replaced:  # a replacement joined for a dead rank: that is the cause
             reason = store.get(f"{self._keys}{k}/crash").decode()
         stages = {"leave": t_left - t_fault, "stop": t_stop - t_left, "barrier": time.time() - t_stop}
         _report(report, event="restart", k=k + 1, rank=gen.rank, reason=reason, pid=os.getpid(),
-                fault_time=t_fault, error=f"{type(exc).__name__}: {exc}"[:300], stages_s=stages)
+                fault_time=t_fault, error=f"{type(exc).__name__}: {exc}"[:300], stages_s=stages, replaced=replaced)
         return Generation(k + 1, gen.rank, gen.world_size, reason=reason, stages_s=stages, fault_time=t_fault)
 
     def _watch(self, store: Any, k: int, aborter: _Aborter, monitor_dir: str | None) -> None:
@@ -241,7 +242,7 @@ class Resilient(Generic[T]):
         self._barrier(store, k, world, None)
         stages = {"barrier": time.time() - t0}
         _report(report, event="restart", k=k + 1, rank=rank, reason=reason, pid=os.getpid(), fault_time=t0,
-                error=None, stages_s=stages, joined=True)
+                error=None, stages_s=stages, joined=True, replaced=True)
         return Generation(k + 1, rank, world, reason=reason, stages_s=stages, fault_time=t0)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:

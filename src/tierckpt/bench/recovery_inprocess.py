@@ -6,7 +6,8 @@ warm, cold and torchrun, for a NaN, a hang and a SIGKILL.
                             [--fault-step 10] [--cap 120] [--logs DIR] [--json PATH]
 
 The job is ``tierckpt.demo.resilient --compile`` (its MLP compiled once per process) under
-two agents x one worker (``twonode``). Launchers: ``inprocess`` (``tierckpt run``, the loop
+two agents x one worker (``twonode``); the standbys of ``inprocess`` and ``warm`` import
+``WARM_IMPORTS`` ahead (``--warm-imports``), as a compiled job's should. Launchers: ``inprocess`` (``tierckpt run``, the loop
 under ``tierckpt.resilient``), ``warm``, ``cold`` (``--no-warm``) and ``torchrun``. Faults on
 rank 1: ``nan`` (a non-finite loss at ``--fault-step``; under torchrun the job exits on it,
 what a torchrun job does), ``hang`` (rank 1 blocks forever, rank 0 in its all-reduce;
@@ -45,6 +46,9 @@ SCENARIOS = ("nan", "hang", "kill")
 LAUNCHERS = ("inprocess", "warm", "cold", "torchrun")
 STAGES = ("detect", "stop", "pg", "load", "first_step")
 REPLACEMENT = ("spawn", "imports", "join", "load", "compile")
+#: what a compiled job's standbys import ahead (``--warm-imports``): inductor's compiler, 3.6 s to
+#: import on the shared machine, else paid by a replacement's ``torch.compile`` and first forward
+WARM_IMPORTS = ("torch._inductor.compile_fx",)
 _GOALS = {"nan": 0.1, "hang": 0.1, "kill": 0.3}
 _START_S = 300.0
 _SHORT = {"inprocess": "ip", "warm": "warm", "cold": "cold", "torchrun": "tr"}
@@ -59,12 +63,15 @@ class _CompiledJob(_Job):
         self.label, self.scenario, self.fault_step = mode, scenario, fault_step
 
     def command(self, node: int) -> list[str]:
+        cmd = super().command(node)
+        if self.label in ("inprocess", "warm"):  # [python, -m, tierckpt.cli, run, ...]: a compiled job's standbys
+            cmd = [*cmd[:4], f"--warm-imports={','.join(WARM_IMPORTS)}", *cmd[4:]]
         extra = ["--compile"] + (["--inprocess"] if self.label == "inprocess" else [])
         if self.scenario == "nan":
             extra += ["--fault", "exit" if self.label == "torchrun" else "nan", "--fault-step", str(self.fault_step)]
         elif self.scenario == "hang":
             extra += ["--fault", "hang", "--fault-step", str(self.fault_step)]
-        return [*super().command(node), *extra]
+        return [*cmd, *extra]
 
     def env(self, node: int) -> dict[str, str]:
         return {**super().env(node), "TORCHINDUCTOR_CACHE_DIR": str(self.root.parent / "inductor-cache")}

@@ -12,6 +12,8 @@ Call order (one agent per node, all the same code):
      the stop barrier, decide (the same pure ``EscalationPolicy`` on the same history on every
      node), then restart in place (same membership, no rendezvous round), or re-rendezvous
      (a node was lost), or exit ``FULL_RESTART_EXIT`` / fail, persisting the newest memory step.
+     Workers under ``tierckpt.resilient`` skip the stop: a live-process fault restarts them
+     in-process (inprocess.py), a dead one is replaced alone while the others stay (replace.py).
 """
 
 from __future__ import annotations
@@ -633,6 +635,7 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=g, what=f"the replacement of rank {fault.get('rank')} (pid {pid}) "
                              "did not join the survivors in time: restarting every process")
             return False
+        self._save_state(g + 1, self.full_restarts)
         self.generation = g + 1
         self._rearm_trackers()
         self._recovering = t_detect  # ``recovered``: at the first beat of every local rank

@@ -80,7 +80,8 @@ class InProcessRestarts:
         self._read()
         rearm = False
         for k in sorted(self._done):
-            if k in self._seen or self._done[k] != set(self._ranks):
+            # a generation a replacement joined belongs to the claim's restart (``restart``), however early it ends
+            if k in self._seen or self._done[k] != set(self._ranks) or self._replaced(k):
                 continue
             self._seen.add(k)
             rearm = True
@@ -100,7 +101,9 @@ class InProcessRestarts:
         if self._dir is None:
             return None
         t0 = time.time() if since is None else since
-        want = max(self._done, default=0) + 1
+        self._read()
+        pending = [k for k in self._done if k not in self._seen and self._replaced(k)]
+        want = min(pending) if kind == REPLACE and pending else max(self._done, default=0) + 1
         self._requests += 1
         if kind != REPLACE:
             tmp = os.path.join(self._dir, REQUEST_FILE + ".tmp")
@@ -119,6 +122,10 @@ class InProcessRestarts:
         self.events.emit("restart", generation=generation, kind=kind, reason=reason, inprocess=want,
                          recovery_s=round(recovery, 3), **({"join_stages_s": stages[0]} if stages else {}), **detail)
         return recovery
+
+    def _replaced(self, k: int) -> bool:
+        """In-process generation k began because a replacement joined for a dead rank."""
+        return any(r.get("replaced") for r in self._records.get(k, []))
 
     def _read(self) -> None:
         if self._dir is None:

@@ -100,9 +100,24 @@ def test_a_replace_restart_waits_without_a_request_and_names_the_joined_rank(tmp
     ip = InProcessRestarts(ev, timeout_s=0.2)
     ip.arm(str(tmp_path), [0])
     _write(tmp_path, 0, event="restart", k=1, rank=1, reason="Crash", fault_time=0.0, stages_s={"barrier": 0.5},
-           joined=True)
+           joined=True, replaced=True)
     assert ip.restart(0, "Crash", kind=REPLACE, since=1.0, rank=1, pid=42, warm=True) is not None
     assert not (tmp_path / "inproc_request").exists(), "the store's fault key is the request"
     ev.close()
     rec = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()][-1]
     assert rec["kind"] == REPLACE and rec["rank"] == 1 and rec["pid"] == 42 and rec["join_stages_s"] == {"barrier": 0.5}
+
+
+def test_a_replaced_generation_finished_before_the_claim_is_read_belongs_to_the_claim(tmp_path: Path) -> None:
+    """The replacement joined and every local rank reported k=1 before this agent read the claim:
+    the poll leaves k=1 to the claim's restart, which takes it at once (it must not wait for k=2)."""
+    ev = Events(str(tmp_path / "ev.jsonl"), node=0)
+    ip = InProcessRestarts(ev, timeout_s=0.2)
+    ip.arm(str(tmp_path), [0])
+    _write(tmp_path, 0, event="ready", k=0, store="agent")
+    _write(tmp_path, 0, event="restart", k=1, rank=0, reason="Crash", fault_time=0.0, stages_s={}, replaced=True)
+    assert not ip.poll(0), "no in-process event of its own"
+    assert ip.restart(0, "Crash", kind=REPLACE) is not None
+    ev.close()
+    recs = [json.loads(x) for x in (tmp_path / "ev.jsonl").read_text().splitlines()]
+    assert [(e["event"], e["kind"], e["inprocess"]) for e in recs] == [("restart", REPLACE, 1)]

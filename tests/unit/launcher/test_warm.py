@@ -214,3 +214,41 @@ def test_a_spare_imports_at_idle_priority_and_works_at_normal(tmp_path: Path) ->
         assert pool.short and pool.fill(idle=True) == 1 and pool._idle[-1].idle  # its replacement: idle
     finally:
         pool.close()
+
+
+@pytest.mark.slow
+def test_a_failed_rank_leaves_the_others_running_and_is_replaced_alone(tmp_path: Path) -> None:
+    """The context reports a dead rank without stopping the other (the agent decides); ``replace``
+    starts that rank again alone, its output appended to the rank's log, and the job then succeeds."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time\nprint('run', os.environ.get('GO'), flush=True)\n"
+                      "time.sleep(float(sys.argv[1]))\n")
+    ctx = WarmSubprocessContext(pool=None, name="t", entrypoint=sys.executable,
+                                args={0: ("-u", str(script), "600"), 1: ("-u", str(script), "8")},
+                                envs={0: {"GO": "first"}, 1: {"GO": "first"}},
+                                logs_specs=DefaultLogsSpecs(log_dir=str(tmp_path / "logs"), redirects=Std.ALL))
+    try:
+        ctx.start()
+        first = ctx.pids()
+        deadline = time.monotonic() + 60
+        while "run" not in Path(ctx.stdouts[0]).read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(first[0], 9)
+        result = None
+        while result is None and time.monotonic() < deadline:
+            result = ctx.wait(timeout=0.2)
+        assert result is not None and result.is_failed() and set(result.failures) == {0}
+        assert ctx.subprocess_handlers[1].proc.poll() is None, "the other rank must keep running"
+        ctx.args[0] = ("-u", str(script), "0")  # the replacement runs to the end at once
+        pid, warm = ctx.replace(0, {"GO": "again"})
+        assert pid != first[0] and not warm and ctx.pids() == {0: pid, 1: first[1]}
+        result = None
+        deadline = time.monotonic() + 60
+        while result is None and time.monotonic() < deadline:
+            result = ctx.wait(timeout=0.2)
+        assert result is not None and not result.is_failed(), result
+        assert Path(ctx.stdouts[0]).read_text().split() == ["run", "first", "run", "again"], "appended, not truncated"
+    finally:
+        ctx.close()
