@@ -7,6 +7,8 @@
     budget {}                   {budget_bytes, used_bytes}
     make_room {bytes}           evict (node budget order) until ``bytes`` more fit
     flush {ns?}                 copy each namespace's newest step to the durable tier, then reply
+    prefetch {ns, ranks}        start pulling these ranks' newest state from peers into .peer/ (prefetch.py);
+                                replies at once; a later fetch of a file in flight waits for it
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
             raise p.ProtocolViolation("bytes must be a whole number >= 0")
         ok = agent.enforce_budget(nbytes)
         return {"ok": ok, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}
+    if op == "prefetch":
+        from tierckpt.agent.prefetch import parse_ranks, start
+
+        try:
+            ranks = parse_ranks(req.get("ranks"))
+        except ValueError as exc:
+            raise p.ProtocolViolation(str(exc)) from exc
+        job = start(agent, _ns(req), ranks)
+        return {"ok": True, "started": job.started}
     if op == "flush":
         from tierckpt.agent.drain import flush
 

@@ -83,6 +83,7 @@ class Agent:
         self._drain_checked = float("-inf")
         self.last_replication: dict[str, Any] = {}
         self.last_fetch: dict[str, Any] = {}
+        self.last_prefetch: dict[str, Any] = {}  # agent.prefetch: the last prefetch on join
         self._reserved = 0
         self._puts: set[tuple[str, str, int]] = set()
         self.protect_lock = threading.Lock()
@@ -307,6 +308,7 @@ class Agent:
             "replication_lag_s": self.metrics.replication_lag_seconds.value(),
             "last_replication": self.last_replication,
             "last_fetch": self.last_fetch,
+            "last_prefetch": self.last_prefetch,
             "evictions": {k: self.metrics.evictions.value(kind=k) for k in ("cache", "replica")},
             "drain": self.drain_state,
         }
