@@ -179,7 +179,7 @@ class _Relay:
 def test_a_load_during_the_prefetch_waits_for_it_and_the_file_crosses_the_link_once(node_dir, agent) -> None:
     mib = 8
     _, b = _lose_node_a(node_dir, agent, mib=mib, steps=(3,))
-    relay = _Relay(b.address, rate=8e6)  # ~1 s for the 8 MiB file
+    relay = _Relay(b.address, rate=4e6)  # ~2 s for the 8 MiB file
     try:
         c_dir = node_dir("c")
         c = agent(memory_dir=c_dir, node_id="node-c", peers=(relay.address,), secret=SECRET)
@@ -187,7 +187,13 @@ def test_a_load_during_the_prefetch_waits_for_it_and_the_file_crosses_the_link_o
         staging = Path(c_dir, layout.PEER_CACHE, NS, layout.STAGING)
         wait_for(lambda: staging.is_dir() and any(f".{DATA}." in f.name for f in staging.iterdir()),
                  "the prefetch receiving the data file")
-        assert not job.done.is_set()
+        assert not job.done.is_set() and c._agent.restoring()
+        # a survivor's replication to the restoring node waits until the restore is done
+        d_dir = node_dir("d")
+        d = agent(memory_dir=d_dir, node_id="node-d", peers=(c.address,), secret=SECRET)
+        _save(d_dir, [5])
+        wait_for(lambda: d._agent.metrics.replication_failures.value() >= 1, "a put refused during the restore")
+        assert not job.done.is_set() and _replica_steps(c_dir, "node-d") == []
         t_load = time.time()
         t0 = time.monotonic()
         step, tiers, sd = _load(c_dir, mib)
@@ -199,6 +205,7 @@ def test_a_load_during_the_prefetch_waits_for_it_and_the_file_crosses_the_link_o
         # the data file crossed the link once: the load's own requests carried only listings
         assert relay.carried < size * 1.5, (relay.carried, size)
         assert c._agent.metrics.fetched_bytes.value() < size * 1.5
+        wait_for(lambda: _replica_steps(c_dir, "node-d") == [5], "the replica once the restore is done")
         print(f"\nload during the prefetch waited {waited:.2f}s; relay carried {relay.carried} bytes for {size}")
     finally:
         relay.close()

@@ -15,6 +15,10 @@ finds the file cached returns at once, so no file is fetched twice. A prefetch t
 (a peer gone, a bad digest) leaves nothing in the cache (the staging file is removed) and is
 reported; the worker's load then takes today's path.
 
+While a prefetch is in flight the agent refuses replicas sent to it (``receive._refusal``:
+an error before any bulk byte; the sender retries next round), so the survivors' replication
+to the new node does not halve the restore's bandwidth on the same link.
+
 Which namespaces: local mode saves rank ``r`` in ``<ns>--rank<r>`` (every file of the step is
 ``r``'s: prefetch them all); global mode saves every rank in ``<ns>`` (prefetch ``r``'s data
 files ``__<r>_<k>.distcp`` and ``.metadata``). Both are asked; the one the peers hold is fetched.
@@ -139,6 +143,7 @@ def start(agent: Agent, namespace: str, ranks: Sequence[int],
     """Start prefetching ``ranks``' newest state of ``namespace`` in a daemon thread; returns at once."""
     job = PrefetchJob(namespace, tuple(ranks))
     agent.last_prefetch = job.summary()
+    agent.count_prefetch(+1)
 
     def run() -> None:
         try:
@@ -146,6 +151,7 @@ def start(agent: Agent, namespace: str, ranks: Sequence[int],
         except Exception as exc:  # reported, never raised into the launcher; the load takes today's path
             job.results["*"] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
+            agent.count_prefetch(-1)
             job.finished = time.time()
             agent.last_prefetch = job.summary()
             job.done.set()

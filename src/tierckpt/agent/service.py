@@ -84,6 +84,7 @@ class Agent:
         self.last_replication: dict[str, Any] = {}
         self.last_fetch: dict[str, Any] = {}
         self.last_prefetch: dict[str, Any] = {}  # agent.prefetch: the last prefetch on join
+        self._prefetches = 0  # prefetches in flight: replicas sent here wait until they end
         self._reserved = 0
         self._puts: set[tuple[str, str, int]] = set()
         self.protect_lock = threading.Lock()
@@ -336,6 +337,15 @@ class Agent:
                     pass
         self.metrics.replication_lag.set(lag)
         self.metrics.replication_lag_seconds.set(round(oldest, 3))
+
+    def restoring(self) -> bool:
+        """A prefetch is in flight: puts are refused meanwhile (the sender retries next round)."""
+        with self._lock:
+            return self._prefetches > 0
+
+    def count_prefetch(self, delta: int) -> None:
+        with self._lock:
+            self._prefetches += delta
 
     def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
         with self._lock:
