@@ -121,6 +121,8 @@ def test_replacement_prefetches_the_lost_nodes_step_and_the_load_reads_it_bitwis
     assert (step, tiers) == (3, ["peer"])
     assert torch.equal(sd["w"], _state(3)["w"]) and sd["step"] == 3
     assert c._agent.metrics.fetched_bytes.value() == fetched  # the load fetched nothing again
+    waits = c.status()["load_waits"][f"{NS}/step_3"]
+    assert waits["files"] >= 2 and waits["seconds"] < 5, waits  # .metadata and the data files, from the cache
     assert c.status()["last_prefetch"]["ok"] is True
     # a node whose own memory holds the step (a survivor) fetches nothing
     again = agent(memory_dir=node_dir("d"), node_id="node-d", peers=(b.address,), secret=SECRET)
@@ -202,6 +204,7 @@ def test_a_load_during_the_prefetch_waits_for_it_and_the_file_crosses_the_link_o
         assert (step, tiers) == (3, ["peer"]) and torch.equal(sd["w"], _state(3, mib)["w"])
         size = Path(c_dir, layout.PEER_CACHE, NS, "step_3", DATA).stat().st_size
         assert job.finished is not None and job.finished > t_load  # the load came while the prefetch was in flight
+        assert c.status()["load_waits"][f"{NS}/step_3"]["slowest"] == DATA  # it waited for the data file
         # the data file crossed the link once: the load's own requests carried only listings
         assert relay.carried < size * 1.5, (relay.carried, size)
         assert c._agent.metrics.fetched_bytes.value() < size * 1.5

@@ -50,8 +50,11 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
         return catalog(agent, _ns(req))
     if op == "fetch":
         ns, step, name = _ns(req), _step(req), p.validate_file_name(req.get("name"))
-        with agent.fetch_lock((ns, step, name)):
-            return fetch(agent, ns, step, name)
+        t0 = time.perf_counter()
+        with agent.fetch_lock((ns, step, name)):  # a prefetch of this file in flight holds it: wait
+            reply = fetch(agent, ns, step, name)
+        agent.note_load_wait(ns, step, name, time.perf_counter() - t0)
+        return reply
     if op == "status":
         if agent.config.durable_url is not None:  # someone asked: list the durable tier, at most every few seconds
             agent.refresh_drain_lag(list_durable=time.monotonic() - agent._drain_checked > STATUS_DRAIN_CHECK_S)
