@@ -18,7 +18,15 @@ import torch
 import tierckpt
 from tests.agent.conftest import wait_for
 from tierckpt import layout
-from tierckpt.agent.prefetch import CatalogStep, Want, namespaces_for, parse_ranks, plan
+from tierckpt.agent.prefetch import (
+    CatalogStep,
+    LoadWaits,
+    Want,
+    namespaces_for,
+    parse_ranks,
+    plan,
+    union_seconds,
+)
 from tierckpt.agent.store import NodeStore
 from tierckpt.tiers.peer import local_request
 
@@ -95,6 +103,18 @@ def test_plan_in_global_mode_takes_only_this_nodes_ranks_files() -> None:
     assert plan("ns", catalog, ranks={1}, own_newest=None) is None  # rank 1's file is on no peer
     assert plan("ns", catalog, ranks={5}, own_newest=None) is None  # rank 5 saved nothing here
     assert namespaces_for("ns", [2, 3]) == [("ns--rank2", 2), ("ns--rank3", 3), ("ns", None)]
+
+
+def test_load_waits_count_overlapping_requests_once() -> None:
+    assert union_seconds([(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.5, 5.7)]) == pytest.approx(4.0)
+    assert union_seconds([]) == 0.0
+    waits = LoadWaits(kept=2)
+    waits.note("a/step_1", "x", 0.0, 1.0)
+    waits.note("a/step_1", "y", 0.5, 3.0)
+    assert waits.view()["a/step_1"] == {"seconds": 3.0, "files": 2, "slowest": "y", "slowest_s": 2.5}
+    waits.note("a/step_2", "x", 0.0, 1.0)
+    waits.note("a/step_3", "x", 0.0, 1.0)
+    assert list(waits.view()) == ["a/step_2", "a/step_3"]  # the newest steps are kept
 
 
 def test_a_local_prefetch_request_checks_its_ranks() -> None:

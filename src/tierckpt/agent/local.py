@@ -50,10 +50,10 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
         return catalog(agent, _ns(req))
     if op == "fetch":
         ns, step, name = _ns(req), _step(req), p.validate_file_name(req.get("name"))
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         with agent.fetch_lock((ns, step, name)):  # a prefetch of this file in flight holds it: wait
             reply = fetch(agent, ns, step, name)
-        agent.note_load_wait(ns, step, name, time.perf_counter() - t0)
+        agent.load_waits.note(f"{ns}/{layout.step_dir_name(step)}", name, t0, time.monotonic())
         return reply
     if op == "status":
         if agent.config.durable_url is not None:  # someone asked: list the durable tier, at most every few seconds

@@ -26,6 +26,7 @@ from tierckpt.agent import safefs
 from tierckpt.agent.client import Connection, PeerClient, ask_all
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
+from tierckpt.agent.prefetch import LoadWaits
 from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.agent.receive import receive_replica
 from tierckpt.agent.replicate import Replicator
@@ -41,7 +42,6 @@ _log = get_logger("agent")
 PEER_REFRESH_S = 5.0
 DRAIN_CHECK_S = 30.0  # listing an S3 durable tier every scan would be a LIST a second per namespace
 REPLICATION_WAIT_S = 5.0  # a round waits this long for its sends, then goes on (they continue)
-LOAD_WAITS_KEPT = 16  # steps whose load waits ``status`` shows (the newest)
 OWNER_FILE = ".agent-owner"  # this node's owner token: only its holder may replace or delete its replicas
 
 
@@ -86,7 +86,7 @@ class Agent:
         self.last_fetch: dict[str, Any] = {}
         self.last_prefetch: dict[str, Any] = {}  # agent.prefetch: the last prefetch on join
         self._prefetches = 0  # prefetches in flight: replicas sent here wait until they end
-        self.load_waits: dict[str, dict[str, Any]] = {}  # "<ns>/step_<N>" → how long loads waited on fetches
+        self.load_waits = LoadWaits()  # per step: how long loads' fetch requests waited (agent.prefetch)
         self._reserved = 0
         self._puts: set[tuple[str, str, int]] = set()
         self.protect_lock = threading.Lock()
@@ -312,7 +312,7 @@ class Agent:
             "last_replication": self.last_replication,
             "last_fetch": self.last_fetch,
             "last_prefetch": self.last_prefetch,
-            "load_waits": dict(self.load_waits),
+            "load_waits": self.load_waits.view(),
             "evictions": {k: self.metrics.evictions.value(kind=k) for k in ("cache", "replica")},
             "drain": self.drain_state,
         }
@@ -340,20 +340,6 @@ class Agent:
                     pass
         self.metrics.replication_lag.set(lag)
         self.metrics.replication_lag_seconds.set(round(oldest, 3))
-
-    def note_load_wait(self, ns: str, step: int, name: str, seconds: float) -> None:
-        """A load's ``fetch`` of ``name`` returned after ``seconds`` (waiting on a prefetch in flight, or
-        fetching): summed per step, so ``status`` shows how long loads waited on the network."""
-        key = f"{ns}/{layout.step_dir_name(step)}"
-        with self._lock:
-            entry = self.load_waits.pop(key, {"seconds": 0.0, "files": 0, "slowest": ""})
-            entry["seconds"] = round(entry["seconds"] + seconds, 4)
-            entry["files"] += 1
-            if seconds >= entry.get("slowest_s", 0.0):
-                entry["slowest"], entry["slowest_s"] = name, round(seconds, 4)
-            self.load_waits[key] = entry
-            while len(self.load_waits) > LOAD_WAITS_KEPT:
-                del self.load_waits[next(iter(self.load_waits))]
 
     def restoring(self) -> bool:
         """A prefetch is in flight: puts are refused meanwhile (the sender retries next round)."""
