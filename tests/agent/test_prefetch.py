@@ -252,6 +252,26 @@ def test_a_prefetch_of_a_damaged_replica_leaves_nothing_and_the_load_uses_durabl
     assert step == 4 and "durable" in tiers and torch.equal(sd["w"], _state(4)["w"])
 
 
+def test_a_catalog_skips_a_peer_that_did_not_answer_the_last_refresh(node_dir, agent) -> None:
+    """A lost host's agent (here: a port that accepts and never answers) cost every load's catalog
+    the whole peer deadline; now only the background refresh waits for it."""
+    from tierckpt.agent.config import AgentLimits
+
+    _, b = _lose_node_a(node_dir, agent)
+    stuck = socket.create_server(("127.0.0.1", 0))  # connects succeed, nothing is ever said
+    try:
+        c_dir = node_dir("c")
+        c = agent(memory_dir=c_dir, node_id="node-c", peers=(stuck.getsockname()[:2], b.address), secret=SECRET,
+                  limits=AgentLimits(peer_deadline_s=3.0))
+        wait_for(lambda: c._agent.peers_down, "the refresh to give up on the stuck peer")
+        t0 = time.monotonic()
+        reply = local_request(c_dir, {"op": "catalog", "ns": NS}, timeout=30)
+        assert time.monotonic() - t0 < 2.0  # not the 3 s deadline
+        assert 3 in [s["step"] for s in reply["steps"]]  # b's replica is listed
+    finally:
+        stuck.close()
+
+
 def test_the_local_socket_starts_a_prefetch_and_refuses_bad_ranks(node_dir, agent) -> None:
     _, b = _lose_node_a(node_dir, agent)
     c_dir = node_dir("c")

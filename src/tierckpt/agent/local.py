@@ -99,8 +99,9 @@ def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
     peer's steps and replicas); return step → every file its manifest lists.
 
     Peers are asked at once, each within ``limits.peer_deadline_s``: a stuck peer is left
-    out of this answer and delays nobody. Each entry of a listing is checked on its own; a
-    bad one is dropped, the peer's other entries stay.
+    out of this answer; one that did not answer the agent's last peer refresh is not asked.
+    Each entry of a listing is checked on its own; a bad one is dropped, the peer's other
+    entries stay.
     """
     from tierckpt.agent.service import Holder
 
@@ -123,8 +124,8 @@ def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
             _log.warning("[Agent %s] dropped %d invalid listing entries from %s", agent.node_id, dropped, client.node)
         return client.node, entries
 
-    with agent._lock:
-        peers = list(agent.config.peers)
+    with agent._lock:  # peers that did not answer the last refresh (every 5 s) are skipped until one does
+        peers = [a for a in agent.config.peers if a not in agent.peers_down]
     for addr, (node, entries) in ask_all(peers, listing, deadline).items():
         for e in entries:
             keyed.append((e.step, Holder(node, addr, e.origin, e.save_id, e.held)))

@@ -72,6 +72,7 @@ class Agent:
         self.store = NodeStore(config.memory_dir, config.node_id)
         self.metrics = AgentMetrics()
         self.peer_ids: dict[tuple[str, int], str] = {}
+        self.peers_down: set[tuple[str, int]] = set()  # peers that did not answer the last refresh
         self.replicated: dict[str, tuple[int, str, frozenset[str]]] = {}  # ns → (step, save id, nodes)
         self._holders: dict[tuple[str, int], list[Holder]] = {}
         self._fetch_locks: dict[tuple[str, int, str], threading.Lock] = {}
@@ -185,9 +186,13 @@ class Agent:
             client.close()
             return client.node
 
-        found = ask_all(self.config.peers, node_of, deadline)
+        peers = self.config.peers
+        found = ask_all(peers, node_of, deadline)
         with self._lock:
-            self.peer_ids = {addr: found[addr] for addr in self.config.peers if addr in found}
+            self.peer_ids = {addr: found[addr] for addr in peers if addr in found}
+            # a load's catalog skips these until a refresh finds them again (a lost host would
+            # otherwise cost every load the whole deadline)
+            self.peers_down = {addr for addr in peers if addr not in found}
 
     def _replicate_newest(self, ns: str) -> None:
         """One namespace's replication, waited for (``tierckpt bench replication`` times it)."""
