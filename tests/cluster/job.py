@@ -80,9 +80,9 @@ class HostJob:
         for node, host in enumerate(hosts):
             self.start_node(host, node)
 
-    def start_node(self, host: Host, node: int) -> None:
+    def start_node(self, host: Host, node: int, **env_extra: str) -> None:
         log = open(self.tmp / f"launcher-{host.name}.log", "ab")  # noqa: SIM115 - the child owns it
-        env = host_env(TIERCKPT_AGENT_SECRET=self.secret)
+        env = host_env(TIERCKPT_AGENT_SECRET=self.secret, **env_extra)
         self.launchers[host.name] = host.popen(self.command(host, node), env=env, stdout=log,
                                                stderr=subprocess.STDOUT)
         self.nodes[host.name] = node

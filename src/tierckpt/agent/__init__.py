@@ -16,6 +16,7 @@ Hosting it (the launcher does this for its node; tests and services do the same)
                                      budget_bytes=None, durable_url="s3://bucket/ckpt"))
     handle.address        # ("0.0.0.0", 7601): the bound TCP address (port 0 picks one)
     handle.node_id        # the node's stable id (default: host + memory root)
+    handle.prefetch(ns, ranks)  # a replacement: pull these ranks' newest state from peers now
     handle.flush()        # drain each namespace's newest memory step to durable; the reply
     handle.status()       # what `tierckpt agent status` prints, as a dict
     handle.close()        # stop listening (replicas and steps stay in the memory root)
@@ -27,11 +28,14 @@ Trainers find the agent by its socket in their ``memory_dir``; nothing else is c
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.service import Agent
+
+if TYPE_CHECKING:
+    from tierckpt.agent.prefetch import PrefetchJob
 
 __all__ = ["AgentConfig", "AgentHandle", "start_agent"]
 
@@ -57,6 +61,14 @@ class AgentHandle:
     def set_peers(self, peers: Sequence[tuple[str, int]]) -> None:
         """Add peers found at run time (the rendezvous store under ``tierckpt run``) to ``--peers``."""
         self._agent.set_peers(peers)
+
+    def prefetch(self, namespace: str, ranks: Sequence[int],
+                 on_done: Callable[[PrefetchJob], None] | None = None) -> PrefetchJob:
+        """Pull ``ranks``' newest state of ``namespace`` (local or global mode) from peers into this
+        node's peer cache, in the background (``agent.prefetch``); a load waits for a file in flight."""
+        from tierckpt.agent.prefetch import start
+
+        return start(self._agent, namespace, ranks, on_done)
 
     def tick(self) -> None:
         """Run one replication and budget round now (tests; the agent also runs them itself)."""

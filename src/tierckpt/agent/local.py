@@ -7,6 +7,8 @@
     budget {}                   {budget_bytes, used_bytes}
     make_room {bytes}           evict (node budget order) until ``bytes`` more fit
     flush {ns?}                 copy each namespace's newest step to the durable tier, then reply
+    prefetch {ns, ranks}        start pulling these ranks' newest state from peers into .peer/ (prefetch.py);
+                                replies at once; a later fetch of a file in flight waits for it
 """
 
 from __future__ import annotations
@@ -48,8 +50,11 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
         return catalog(agent, _ns(req))
     if op == "fetch":
         ns, step, name = _ns(req), _step(req), p.validate_file_name(req.get("name"))
-        with agent.fetch_lock((ns, step, name)):
-            return fetch(agent, ns, step, name)
+        t0 = time.monotonic()
+        with agent.fetch_lock((ns, step, name)):  # a prefetch of this file in flight holds it: wait
+            reply = fetch(agent, ns, step, name)
+        agent.load_waits.note(f"{ns}/{layout.step_dir_name(step)}", name, t0, time.monotonic())
+        return reply
     if op == "status":
         if agent.config.durable_url is not None:  # someone asked: list the durable tier, at most every few seconds
             agent.refresh_drain_lag(list_durable=time.monotonic() - agent._drain_checked > STATUS_DRAIN_CHECK_S)
@@ -62,6 +67,15 @@ def handle(agent: Agent, req: dict[str, Any]) -> dict[str, Any] | None:
             raise p.ProtocolViolation("bytes must be a whole number >= 0")
         ok = agent.enforce_budget(nbytes)
         return {"ok": ok, "budget_bytes": agent.config.budget_bytes, "used_bytes": agent.store.usage_bytes()}
+    if op == "prefetch":
+        from tierckpt.agent.prefetch import parse_ranks, start
+
+        try:
+            ranks = parse_ranks(req.get("ranks"))
+        except ValueError as exc:
+            raise p.ProtocolViolation(str(exc)) from exc
+        job = start(agent, _ns(req), ranks)
+        return {"ok": True, "started": job.started}
     if op == "flush":
         from tierckpt.agent.drain import flush
 
@@ -85,8 +99,9 @@ def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
     peer's steps and replicas); return step → every file its manifest lists.
 
     Peers are asked at once, each within ``limits.peer_deadline_s``: a stuck peer is left
-    out of this answer and delays nobody. Each entry of a listing is checked on its own; a
-    bad one is dropped, the peer's other entries stay.
+    out of this answer; one that did not answer the agent's last peer refresh is not asked.
+    Each entry of a listing is checked on its own; a bad one is dropped, the peer's other
+    entries stay.
     """
     from tierckpt.agent.service import Holder
 
@@ -109,8 +124,8 @@ def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
             _log.warning("[Agent %s] dropped %d invalid listing entries from %s", agent.node_id, dropped, client.node)
         return client.node, entries
 
-    with agent._lock:
-        peers = list(agent.config.peers)
+    with agent._lock:  # peers that did not answer the last refresh (every 5 s) are skipped until one does
+        peers = [a for a in agent.config.peers if a not in agent.peers_down]
     for addr, (node, entries) in ask_all(peers, listing, deadline).items():
         for e in entries:
             keyed.append((e.step, Holder(node, addr, e.origin, e.save_id, e.held)))

@@ -83,6 +83,8 @@ def _refusal(agent: Agent, req: p.Put) -> str | None:
     store = agent.store
     name = layout.step_dir_name(req.step)
     where = f"{req.namespace}/{name} from {req.origin}"
+    if agent.restoring():  # the link's bandwidth goes to the restore first (agent.prefetch)
+        return f"{where}: this node is restoring its state from peers; the next round sends it"
     if not os.path.lexists(store.root.joinpath(*store.parts("replica", req.origin, req.namespace), name)):
         return None
     recorded = store.owner_of(req.origin, req.namespace, req.step)

@@ -26,6 +26,7 @@ from tierckpt.agent import safefs
 from tierckpt.agent.client import Connection, PeerClient, ask_all
 from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.metrics import AgentMetrics
+from tierckpt.agent.prefetch import LoadWaits
 from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.agent.receive import receive_replica
 from tierckpt.agent.replicate import Replicator
@@ -71,6 +72,7 @@ class Agent:
         self.store = NodeStore(config.memory_dir, config.node_id)
         self.metrics = AgentMetrics()
         self.peer_ids: dict[tuple[str, int], str] = {}
+        self.peers_down: set[tuple[str, int]] = set()  # peers that did not answer the last refresh
         self.replicated: dict[str, tuple[int, str, frozenset[str]]] = {}  # ns → (step, save id, nodes)
         self._holders: dict[tuple[str, int], list[Holder]] = {}
         self._fetch_locks: dict[tuple[str, int, str], threading.Lock] = {}
@@ -83,6 +85,9 @@ class Agent:
         self._drain_checked = float("-inf")
         self.last_replication: dict[str, Any] = {}
         self.last_fetch: dict[str, Any] = {}
+        self.last_prefetch: dict[str, Any] = {}  # agent.prefetch: the last prefetch on join
+        self._prefetches = 0  # prefetches in flight: replicas sent here wait until they end
+        self.load_waits = LoadWaits()  # per step: how long loads' fetch requests waited (agent.prefetch)
         self._reserved = 0
         self._puts: set[tuple[str, str, int]] = set()
         self.protect_lock = threading.Lock()
@@ -181,9 +186,13 @@ class Agent:
             client.close()
             return client.node
 
-        found = ask_all(self.config.peers, node_of, deadline)
+        peers = self.config.peers
+        found = ask_all(peers, node_of, deadline)
         with self._lock:
-            self.peer_ids = {addr: found[addr] for addr in self.config.peers if addr in found}
+            self.peer_ids = {addr: found[addr] for addr in peers if addr in found}
+            # a load's catalog skips these until a refresh finds them again (a lost host would
+            # otherwise cost every load the whole deadline)
+            self.peers_down = {addr for addr in peers if addr not in found}
 
     def _replicate_newest(self, ns: str) -> None:
         """One namespace's replication, waited for (``tierckpt bench replication`` times it)."""
@@ -307,6 +316,8 @@ class Agent:
             "replication_lag_s": self.metrics.replication_lag_seconds.value(),
             "last_replication": self.last_replication,
             "last_fetch": self.last_fetch,
+            "last_prefetch": self.last_prefetch,
+            "load_waits": self.load_waits.view(),
             "evictions": {k: self.metrics.evictions.value(kind=k) for k in ("cache", "replica")},
             "drain": self.drain_state,
         }
@@ -334,6 +345,15 @@ class Agent:
                     pass
         self.metrics.replication_lag.set(lag)
         self.metrics.replication_lag_seconds.set(round(oldest, 3))
+
+    def restoring(self) -> bool:
+        """A prefetch is in flight: puts are refused meanwhile (the sender retries next round)."""
+        with self._lock:
+            return self._prefetches > 0
+
+    def count_prefetch(self, delta: int) -> None:
+        with self._lock:
+            self._prefetches += delta
 
     def fetch_lock(self, key: tuple[str, int, str]) -> threading.Lock:
         with self._lock:

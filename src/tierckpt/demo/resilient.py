@@ -14,6 +14,7 @@ Faults on request (only in generation ``--fault-generation``, rank ``--fault-ran
 ``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step),
 ``hang`` (block forever in a wait at that step, without a heartbeat: the other ranks block in
 their next all-reduce, a collective that never returns), ``raise`` (an exception at that step).
+``--ballast-mib N``: an N MiB buffer per rank in the saved state (restore timing on a slow link).
 ``--compile``: the model is ``torch.compile``d once per process. ``--inprocess``: the training
 loop runs under ``tierckpt.resilient`` (faults restart it in-process; a fault fires in the
 first in-process generation only); traces then carry ``inproc`` (the in-process generation).
@@ -47,11 +48,11 @@ def _trace(path: Path, event: str, **fields: Any) -> None:
 
 
 def _digest(model: Any) -> str:
-    """xxh3 of every parameter's bytes: the resumed state must equal the saved one, bit for bit."""
+    """xxh3 of every parameter's and buffer's bytes: the resumed state must equal the saved one, bit for bit."""
     import xxhash
 
     h = xxhash.xxh3_64()
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         h.update(p.detach().contiguous().view(-1).numpy().tobytes())
     return h.hexdigest()
 
@@ -93,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (built once per process)")
     ap.add_argument("--inprocess", action="store_true", help="run under tierckpt.resilient: in-process restarts")
+    ap.add_argument("--ballast-mib", type=int, default=0,
+                    help="a buffer of this many MiB per rank in the model's state (saved, restored, a slice changed "
+                    "every step; never all-reduced): a state whose copy takes time on a slow link")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -121,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     _trace(trace, "imported")
     torch.manual_seed(0)
     model: Any = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    if args.ballast_mib > 0:
+        model.register_buffer("ballast", torch.randn(args.ballast_mib << 18, generator=torch.Generator().manual_seed(
+            1000 + rank_env)))
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
     forward = torch.compile(model) if args.compile else model  # built once: in-process restarts keep it
     if args.inprocess:
@@ -179,6 +186,10 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                 dist.all_reduce(p.grad)
                 p.grad /= world
             optim.step()
+            ballast = getattr(model, "ballast", None)
+            if ballast is not None:  # every step changes the state saved: a resume from a stale copy shows
+                at = (step * 65537) % max(1, ballast.numel() - 1024)
+                ballast[at : at + 1024] += step
             value = float(loss)
             due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
             if due and args.fault in ("nan", "exit", "raise", "hang"):

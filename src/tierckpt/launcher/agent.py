@@ -491,6 +491,16 @@ class TierckptAgent(LocalElasticAgent):
             self._peers_next = float("inf")  # all known; a new membership publishes again
         agent.set_peers(found)
 
+    def _prefetch(self) -> None:
+        """Right after a rendezvous, before the workers start: the hosted agent pulls this node's
+        ranks' newest state from peers if its memory lacks it (a replacement; launcher/prefetch.py)."""
+        if self._node_agent is not None:
+            self._discover_peers()
+            from tierckpt.launcher import prefetch
+
+            prefetch.start(self._node_agent, self.opts.namespace, [w.global_rank for w in self._worker_group.workers],
+                           self.events, self.generation)
+
     def _loop(self) -> RunResult:
         wg = self._worker_group
         spec = wg.spec
@@ -500,6 +510,7 @@ class TierckptAgent(LocalElasticAgent):
         self._join()
         if self.opts.agent_across_hosts and self._node_agent is None:
             self._host_agent()  # its secret comes from the rendezvous store
+        self._prefetch()
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
@@ -591,6 +602,7 @@ class TierckptAgent(LocalElasticAgent):
             self._save_state(g + 1, self.full_restarts)
             self._join()
             self.generation = max(self.generation, g + 1)
+            self._prefetch()
             self._start_workers_logged(wg)
         handover = time.monotonic() - t_detect
         self._recovering = t_detect  # recovery_s: at the first beat of every local rank (_report_recovery)
