@@ -40,11 +40,13 @@ from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
+from tierckpt.launcher.membership import Change
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.spares import SpareWatch, report_round
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
@@ -96,6 +98,8 @@ class TierckptAgent(LocalElasticAgent):
         self._store_addr: tuple[str, int] | None = None
         self._held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
         self._stable_rank: int | None = None  # this round's group rank, set in _assign_worker_ranks
+        self._members: dict[int, str] = {}  # group rank -> identity of the last round (ranks.exchange_round)
+        self._change = Change(before={}, after={})  # the last round's membership change, reported in _join
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
         self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
@@ -137,14 +141,17 @@ class TierckptAgent(LocalElasticAgent):
         memory_dir = self.opts.memory_dir
         survivor = self._held_rank is not None
         prior = self._held_rank if survivor else ranks.load_prior(memory_dir, run_id)
-        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir))
-        stable = ranks.exchange(store, group_rank, group_world_size, claim)
+        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
+                            members=self._members if survivor else None)
+        stable, before, self._members = ranks.exchange_round(store, group_rank, group_world_size, claim)
+        self._change = Change(before=before, after=self._members)
         self._stable_rank = stable
         return super()._assign_worker_ranks(store, stable, group_world_size, spec)
 
     def _join(self) -> None:
         wg = self._worker_group
-        with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"):
+        with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"), \
+                SpareWatch(wg.spec.rdzv_handler, self._standing_by) as spare:
             super()._rendezvous(wg)
         if self._stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
             wg.group_rank = self._stable_rank  # type: ignore[assignment]  # torch annotates it None
@@ -174,6 +181,13 @@ class TierckptAgent(LocalElasticAgent):
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
+        report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare.since)
+        self._change = Change(before={}, after={})
+
+    def _standing_by(self, job_nodes: int) -> None:
+        """SpareWatch: this agent waits in the rendezvous's redundancy list (a hot spare)."""
+        self.events.emit("spare", generation=self.generation, state="standby", job_nodes=job_nodes,
+                         identity=ranks.identity(self.opts.memory_dir))
 
     @property
     def ctl(self) -> JobControl:
