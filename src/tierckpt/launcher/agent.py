@@ -40,13 +40,13 @@ from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
-from tierckpt.launcher.membership import Change
+from tierckpt.launcher.membership import Change, missing_nodes
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.rules import RuleMonitor
-from tierckpt.launcher.spares import SpareWatch, report_round
+from tierckpt.launcher.spares import JobEnded, SpareGate, SpareWatch, open_seats, publish_nodes, report_round
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
@@ -150,6 +150,7 @@ class TierckptAgent(LocalElasticAgent):
 
     def _join(self) -> None:
         wg = self._worker_group
+        gated = self._spare_gate()  # a job running on its maximum of nodes: stand by until a seat opens
         with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"), \
                 SpareWatch(wg.spec.rdzv_handler, self._standing_by) as spare:
             super()._rendezvous(wg)
@@ -181,8 +182,23 @@ class TierckptAgent(LocalElasticAgent):
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
-        report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare.since)
+        if self.node == 0:
+            publish_nodes(job_store, self.nnodes)
+        report_round(self.events, self.generation, self._change, node=self.node,
+                     spare_since=gated if gated is not None else spare.since)
         self._change = Change(before={}, after={})
+
+    def _spare_gate(self) -> float | None:
+        """spares.SpareGate before torch's rendezvous; when this agent began standing by, or None.
+        A survivor (it held a rank in this process) never waits there."""
+        if self._held_rank is not None:
+            return None
+        handler = self._worker_group.spec.rdzv_handler
+        store = getattr(handler, "_store", None)
+        max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
+        if store is None or not isinstance(max_nodes, int):
+            return None
+        return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by).wait()
 
     def _standing_by(self, job_nodes: int) -> None:
         """SpareWatch: this agent waits in the rendezvous's redundancy list (a hot spare)."""
@@ -368,9 +384,9 @@ class TierckptAgent(LocalElasticAgent):
                 return self._record("LostStore", None, self._liveness.store_error, since=now)
             lost = self._liveness.lost()
             if lost:
-                return self._record("LostNode", None, f"agent(s) of node {lost} silent for "
-                                    f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
-                                    node=lost[0])
+                return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for "
+                                       f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
+                                       node=lost[0]), "lost": sorted(lost)}
         if wg.spec.rdzv_handler.num_nodes_waiting() > 0:
             return self._record("MembershipChange", None, "a new agent is waiting in the rendezvous", since=now)
         return None
@@ -506,7 +522,11 @@ class TierckptAgent(LocalElasticAgent):
         if not self.opts.agent_across_hosts:
             self._host_agent()
         self._start_pool()
-        self._join()
+        try:
+            self._join()
+        except JobEnded as exc:  # a spare that was never needed
+            self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
+            return RunResult(state=WorkerState.SUCCEEDED)
         if self.opts.agent_across_hosts and self._node_agent is None:
             self._host_agent()  # its secret comes from the rendezvous store
         self._start_workers_logged(wg)
@@ -594,6 +614,7 @@ class TierckptAgent(LocalElasticAgent):
             self._start_workers_logged(wg)
         else:  # a node is gone or new: torch's rendezvous waits for the membership to settle
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
+            open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
             self._save_state(g + 1, self.full_restarts)
             self._join()
             self.generation = max(self.generation, g + 1)

@@ -101,6 +101,10 @@ class JobControl:
     def stopped(self, generation: int) -> None:
         self.store.add(f"{_P}stopped/{generation}", 1)
 
+    def stopped_count(self, generation: int) -> int:
+        """How many agents acked the stop barrier of ``generation`` so far (never blocks)."""
+        return int(self.store.add(f"{_P}stopped/{generation}", 0))
+
     def wait_stopped(self, generation: int, nnodes: int, timeout: float) -> bool:
         """True when every agent stopped its workers of ``generation`` within ``timeout``."""
         return _reached(self.store, f"{_P}stopped/{generation}", nnodes, timeout)

@@ -24,7 +24,8 @@ from typing import Any
 from tierckpt.errors import ConfigError
 from tierckpt.launcher.escalation import Fault
 
-__all__ = ["MEMBERSHIP_CHANGE", "Change", "Elastic", "Shrink", "prior_restarts", "restart_history", "shrink"]
+__all__ = ["MEMBERSHIP_CHANGE", "Change", "Elastic", "Shrink", "missing_nodes", "prior_restarts", "restart_history",
+           "shrink"]
 
 #: the claim reason of a node that arrived while the job runs below its maximum (not a fault)
 MEMBERSHIP_CHANGE = "MembershipChange"
@@ -115,6 +116,18 @@ def shrink(*, nnodes: int, lost: Sequence[int], elastic: Elastic, spares_waiting
                       "the rendezvous waits for nodes")
     return Shrink(True, survivors, f"{len(survivors)} survivor(s) >= {elastic.min_nodes}: regroup without a "
                   "rendezvous round")
+
+
+def missing_nodes(fault: dict[str, Any], nnodes: int, stopped: int) -> int:
+    """How many nodes a re-rendezvous after ``fault`` lacks (the seats a spare may take): the lost
+    nodes a ``LostNode`` claim names, else the nodes that did not ack the stop barrier (a machine
+    gone with its reaper shows as the survivors' ``Crash``, and the barrier times out)."""
+    if fault.get("reason") == "LostNode":
+        lost = fault.get("lost") or [fault.get("node")]
+        return len({int(n) for n in lost if n is not None}) or 1
+    if fault.get("reason") == MEMBERSHIP_CHANGE:
+        return 0
+    return max(0, nnodes - stopped)
 
 
 def restart_history(history: Sequence[Fault]) -> list[Fault]:

@@ -11,10 +11,23 @@ gives it the free rank, the lost node's (the survivors keep theirs). Its standby
 were started before it entered the rendezvous, so its workers start warm, and they resume the
 lost rank's newest step from the peer replica (``--replicas``).
 
+That redundancy list is not safe on a loaded machine: every sync of the waiting spare drops
+participants whose keep-alive looks older than ``keep_alive_interval x keep_alive_max_attempt``
+(3 s under ``tierckpt run``), so a participant whose beat is late makes the spare join the wait
+list, the job restarts for a membership change, and the spare can take a live node's place
+(seen at load average 9 here). So an agent that finds the job running on ``max_nodes`` waits at
+a **gate** in the job store before torch's rendezvous: it draws a ticket (arrival order) and
+enters the rendezvous only when the survivors of a lost node have opened a seat for it
+(``open_seats``); one seat, one spare. The redundancy list remains for an agent that arrives
+while the first round forms; ``SpareWatch`` reports it.
+
 Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
 
+    since = SpareGate(job_store, max_nodes, on_standby).wait()   # returns when admitted
     with SpareWatch(handler, on_standby=lambda job_nodes: ...) as watch:
         handler.next_rendezvous()
+    publish_nodes(job_store, nnodes)               # group rank 0, after every round or regroup
+    ...survivors, going to a new round after losing k nodes:  open_seats(job_store, g, node, k)
     watch.since        # when this agent began standing by as a spare (None: it never did)
     report_round(events, generation, change, node=..., spare_since=watch.since)   # after the round
 """
@@ -28,7 +41,72 @@ from typing import Any
 
 from tierckpt.launcher.membership import Change
 
-__all__ = ["SpareWatch", "report_round", "standing_by"]
+__all__ = ["JobEnded", "SpareGate", "SpareWatch", "open_seats", "publish_nodes", "report_round",
+           "spares_waiting", "standing_by"]
+
+_NODES = "tierckpt/run/nodes"  # nodes of the running round (group rank 0 sets it after each round)
+_SEATS = "tierckpt/run/seats"  # seats opened for spares so far (survivors add the lost nodes' count)
+_TICKETS = "tierckpt/run/spare-tickets"  # spares that came to the gate so far (arrival order)
+_DONE = "tierckpt/run/done/0"  # JobControl.mark_done of group rank 0: the job finished
+
+
+class JobEnded(Exception):  # noqa: N818 - a way out of the gate, not an error
+    """The job finished (or its store went away) while this agent stood by as a spare."""
+
+
+def publish_nodes(store: Any, nnodes: int) -> None:
+    """The running round has ``nnodes`` nodes (group rank 0, after every round or regroup)."""
+    store.set(_NODES, str(nnodes).encode())
+
+
+def open_seats(store: Any, generation: int, node: int, count: int) -> bool:
+    """Survivors going to a new round after losing ``count`` nodes in ``generation``: admit that
+    many spares. Every survivor may call it; the first one's count counts (``compare_set``), so
+    the seats of one generation open once. True when this call opened them."""
+    if count <= 0:
+        return False
+    me = str(node).encode()
+    if bytes(store.compare_set(f"{_SEATS}/{generation}", b"", me)) != me:
+        return False
+    store.add(_SEATS, count)
+    return True
+
+
+def spares_waiting(store: Any) -> int:
+    """Spares at the gate not yet admitted (two store operations, never blocks)."""
+    return max(0, int(store.add(_TICKETS, 0)) - int(store.add(_SEATS, 0)))
+
+
+class SpareGate:
+    """Holds an agent that arrives while the job runs on ``max_nodes`` until a seat opens; see the
+    module doc. ``wait`` returns the time it began standing by (None: the job had room)."""
+
+    def __init__(self, store: Any, max_nodes: int, on_standby: Callable[[int], None], *,
+                 poll_s: float = 0.2) -> None:
+        self.store = store
+        self.max_nodes = max_nodes
+        self.on_standby = on_standby
+        self.poll_s = poll_s
+
+    def wait(self) -> float | None:
+        """Block until admitted; raise ``JobEnded`` when the job finished meanwhile."""
+        st = self.store
+        nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
+        if nodes < self.max_nodes or st.check([_DONE]):
+            return None
+        ticket = int(st.add(_TICKETS, 1))
+        since = time.time()
+        self.on_standby(nodes)
+        try:
+            while int(st.add(_SEATS, 0)) < ticket:
+                if st.check([_DONE]):
+                    raise JobEnded("the job finished while this node stood by as a spare")
+                time.sleep(self.poll_s)
+        except JobEnded:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store's host left: the job is over
+            raise JobEnded(f"the job's store went away while this node stood by as a spare: {exc}") from exc
+        return since
 
 
 def standing_by(handler: Any) -> int | None:
