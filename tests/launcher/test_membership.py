@@ -11,11 +11,13 @@ each its own memory root, 1 worker each, gloo; a lost node is a SIGKILL of its w
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,3 +104,49 @@ def _host() -> str:
     import socket
 
     return socket.gethostname()
+
+
+def _state(job: LocalJob, node: int) -> dict[str, Any]:
+    return dict(json.loads((Path(job.memory[node]) / ".tierckpt-run" / f"{job.rdzv_id}.json").read_text()))
+
+
+def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
+        make_job: Callable[..., LocalJob]) -> None:
+    """``--nnodes 1:2``: node 1's machine is lost, node 0 goes on alone through the survivors'
+    regroup (no rendezvous round); node 1 comes back, the job grows to 2 nodes at the next poll,
+    and that arrival costs no restart (the state file's ``restarts`` stays 1, the lost node's)."""
+    job = make_job(train=["--steps", str(STEPS), "--global-mode"], node_timeout=3.0, nnodes_arg="1:2")
+    job.start()
+    job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
+    job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
+    at_kill = job.last_step(0)
+    t_kill = time.time()
+    job.kill_machine(1)
+    shrunk = job.wait_for(lambda: next((e for e in job.events(0) if e["event"] == "membership"), None), 60,
+                          "node 0 regroups alone")
+    assert shrunk["via"] == "regroup" and shrunk["nnodes"] == 1 and shrunk["left"] == [f"{_host()}:{job.memory[1]}"]
+    g1 = int(shrunk["generation"])
+    job.wait_for(lambda: _first_step_after(job, 0, g1), 60, "rank 0 trains alone")
+    print(f"elastic shrink: SIGKILL of node 1 -> rank 0 training alone: {(_first_step_after(job, 0, g1) or 0) - t_kill:.2f}s")
+    resumed = job.resumed(0, g1)
+    assert resumed is not None and resumed["step"] is not None and resumed["step"] >= at_kill - 1, resumed
+    assert not [e for e in job.events(0) if e["event"] == "warning" and "re-rendezvous" in e.get("what", "")
+                and e["generation"] >= g1]
+    job.wait_for(lambda: job.last_step(0, generation=g1) >= resumed["step"] + 5, 60, "5 steps alone")
+    assert _state(job, 0)["restarts"] == 1
+    job.start_agent(1)  # the machine is back: below MAX, the job grows
+    grown = job.wait_for(lambda: next((e for e in job.events(0) if e["event"] == "membership"
+                                       and e["generation"] > g1), None), 90, "the job grows to 2 nodes")
+    assert grown["via"] == "rendezvous" and grown["nnodes"] == 2, grown
+    g2 = int(grown["generation"])
+    assert job.wait_exit(240) == {0: 0, 1: 0}, job.report()
+    restarts = [e for e in job.events(0) if e["event"] == "restart"]
+    assert [e["reason"] for e in restarts] == ["LostNode", "MembershipChange"], restarts
+    assert "no restart counted" in restarts[-1]["why"], restarts[-1]
+    st = _state(job, 0)
+    assert (st["restarts"], st["membership_changes"]) == (1, 1), st
+    both = [job.resumed(r, g2) for r in RANKS]
+    assert all(b is not None and b["step"] is not None for b in both), both
+    assert both[0]["step"] == both[1]["step"] >= job.last_step(0, generation=g1) - 1, both
+    assert both[0]["digest"] == both[1]["digest"]  # one model, loaded alike on both ranks
+    assert all(job.last_step(r, generation=g2) == STEPS for r in RANKS)

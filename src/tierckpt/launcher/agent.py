@@ -34,19 +34,34 @@ from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
-from tierckpt.launcher.escalation import Action, Decision, Fault, restarts_before
+from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
-from tierckpt.launcher.membership import Change, missing_nodes
+from tierckpt.launcher.membership import (
+    MEMBERSHIP_CHANGE,
+    Change,
+    missing_nodes,
+    prior_restarts,
+    restart_history,
+    shrink,
+)
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.rules import RuleMonitor
-from tierckpt.launcher.spares import JobEnded, SpareGate, SpareWatch, open_seats, publish_nodes, report_round
+from tierckpt.launcher.spares import (
+    JobEnded,
+    SpareGate,
+    SpareWatch,
+    open_seats,
+    publish_nodes,
+    report_round,
+    spares_waiting,
+)
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
@@ -103,6 +118,8 @@ class TierckptAgent(LocalElasticAgent):
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
         self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
+        self._changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
+        self._changes = 0  # ... and of this one, as of the last decision
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
@@ -115,7 +132,8 @@ class TierckptAgent(LocalElasticAgent):
         restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
                            {"next_generation": next_generation, "full_restarts": full_restarts,
                             "job_started": self._job_started, "hang": self._learn().to_dict(),
-                            "restarts": self._restarts, "resume_before": self.resume_before})
+                            "restarts": self._restarts, "resume_before": self.resume_before,
+                            "membership_changes": self._changes_before + self._changes})
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -156,14 +174,9 @@ class TierckptAgent(LocalElasticAgent):
             super()._rendezvous(wg)
         if self._stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
             wg.group_rank = self._stable_rank  # type: ignore[assignment]  # torch annotates it None
-        self._held_rank = self.node
-        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
-        if problem is not None:
-            self.events.emit("warning", generation=self.generation, what=problem)
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
-        self._busy = BusyBoard(job_store, self.node)
         st = self._load_state()
         self._learned.merge(Profile.from_dict(st.get("hang")))
         self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
@@ -171,7 +184,19 @@ class TierckptAgent(LocalElasticAgent):
         self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
+        self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
         self.resume_before = resume.agreed(job_store, self.generation)
+        self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
+
+    def _settle(self, job_store: Any, *, spare_since: float | None, via: str) -> None:
+        """After a rendezvous round or a regroup: keep the rank, point the detectors at the new
+        membership, report it (``spare``, ``membership`` events)."""
+        wg = self._worker_group
+        self._held_rank = self.node
+        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
+        if problem is not None:
+            self.events.emit("warning", generation=self.generation, what=problem)
+        self._busy = BusyBoard(job_store, self.node)
         self.events.node = self.node
         self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
@@ -184,9 +209,48 @@ class TierckptAgent(LocalElasticAgent):
         self._peers_published = None
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
-        report_round(self.events, self.generation, self._change, node=self.node,
-                     spare_since=gated if gated is not None else spare.since)
+        report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare_since, via=via)
         self._change = Change(before={}, after={})
+
+    def _regroup(self, fault: dict[str, Any], g: int) -> bool:
+        """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
+        membership through the store (``JobControl.regroup``), without a torch rendezvous round;
+        False (use the round) when ``membership.shrink`` says so or a survivor does not arrive."""
+        el, ctl, wg = self.opts.elastic, self.ctl, self._worker_group
+        if el is None or not el.elastic or fault.get("reason") == MEMBERSHIP_CHANGE:
+            return False
+        lost = self._lost_nodes(fault)
+        plan = shrink(nnodes=self.nnodes, lost=lost, elastic=el,
+                      spares_waiting=spares_waiting(ctl.store) + wg.spec.rdzv_handler.num_nodes_waiting())
+        got = ctl.regroup(g, self.node, list(plan.survivors), timeout=self.opts.node_timeout_s) \
+            if plan.regroup and self.node in plan.survivors else None
+        if got is None:
+            return False
+        rank, world = got
+        import torch.distributed as dist
+
+        round_store = dist.PrefixStore(f"tierckpt/run/regroup/{g}/", ctl.store)  # type: ignore[attr-defined]
+        wg.workers = LocalElasticAgent._assign_worker_ranks(self, round_store, rank, world, wg.spec)
+        wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
+        after = {new: self._members.get(old, "") for new, old in enumerate(plan.survivors)}
+        self._change, self._members = Change(before=self._members, after=after), after
+        self.generation = g + 1
+        self._settle(ctl.store, spare_since=None, via="regroup")
+        return True
+
+    def _lost_nodes(self, fault: dict[str, Any]) -> list[int]:
+        """The group ranks a re-rendezvous lacks: a LostNode claim's, else (a machine gone with its
+        reaper shows first as the survivors' Crash) the liveness verdict's, awaited up to
+        ``--node-timeout`` (every survivor reads the same verdict key)."""
+        if fault.get("reason") == "LostNode":
+            return [int(n) for n in fault.get("lost") or [fault.get("node")] if n is not None]
+        deadline = time.monotonic() + self.opts.node_timeout_s
+        while self._liveness is not None:
+            lost = self._liveness.lost()
+            if lost or time.monotonic() > deadline:
+                return sorted(lost)
+            time.sleep(0.05)
+        return []
 
     def _spare_gate(self) -> float | None:
         """spares.SpareGate before torch's rendezvous; when this agent began standing by, or None.
@@ -593,10 +657,14 @@ class TierckptAgent(LocalElasticAgent):
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self.ctl.stopped(g)
-        history = self._history = [_fault_of(r) for r in self.ctl.history(g)]
-        prior = restarts_before(history)
-        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts, prior_restarts=prior,
-                                               seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
+        claims = [_fault_of(r) for r in self.ctl.history(g)]
+        history = self._history = restart_history(claims)  # a node that arrived costs no restart
+        prior = prior_restarts(claims, self._changes_before)
+        self._changes = len(claims) - len(history)
+        decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
+            if fault.get("reason") == MEMBERSHIP_CHANGE else \
+            self.opts.escalation.decide(history, full_restarts=self.full_restarts, prior_restarts=prior,
+                                        seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
         self._restarts = prior + len(history)
         all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
@@ -616,7 +684,8 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
             open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
             self._save_state(g + 1, self.full_restarts)
-            self._join()
+            if not self._regroup(fault, g):
+                self._join()
             self.generation = max(self.generation, g + 1)
             self._start_workers_logged(wg)
         handover = time.monotonic() - t_detect

@@ -155,6 +155,7 @@ def _options(args: Namespace) -> Any:
     from tierckpt.launcher.escalation import EscalationPolicy
     from tierckpt.launcher.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
+    from tierckpt.launcher.membership import Elastic
     from tierckpt.launcher.options import RunOptions
 
     policy = RunPolicy()
@@ -189,7 +190,7 @@ def _options(args: Namespace) -> Any:
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=agent,
         agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
-        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "",
+        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes),
     )
 
 

@@ -56,6 +56,11 @@ class JobControl:
             if int(got) >= value:
                 return int(got)
 
+    def agree_max(self, key: str, value: int) -> int:
+        """Raise the job-wide counter ``key`` to at least ``value``; the agreed value (every agent
+        offers its own after a rendezvous round, and the highest any node remembers wins)."""
+        return self._raise_to(key, value)
+
     def get_int(self, key: str, default: int = 0) -> int:
         return int(self.store.get(_P + key)) if self.store.check([_P + key]) else default
 

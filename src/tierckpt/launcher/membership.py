@@ -68,20 +68,25 @@ class Change:
 
 @dataclass(frozen=True)
 class Elastic:
-    """``--nnodes MIN:MAX`` (or ``elasticPolicy.minReplicas``/``maxReplicas``): how many nodes the job
-    may run on. ``scale_up_snooze_s``: a waiting node is admitted that long after it was first
-    seen (``restartPolicy.scaleUpSnoozeTimeInSeconds``; 0: at the next poll)."""
+    """``--nnodes MIN:MAX`` (or the job file's ``elasticPolicy.minReplicas``/``maxReplicas``): how
+    many nodes the job may run on."""
 
     min_nodes: int
     max_nodes: int
-    scale_up_snooze_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise ConfigError(f"--nnodes {self.min_nodes}:{self.max_nodes}: MIN must be at least 1 and MAX at "
                               "least MIN; e.g. --nnodes 2:4")
-        if not self.scale_up_snooze_s >= 0:
-            raise ConfigError(f"scaleUpSnoozeTimeInSeconds must be zero or more, got {self.scale_up_snooze_s!r}")
+
+    @classmethod
+    def parse(cls, nnodes: str) -> Elastic:
+        """From torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``)."""
+        lo, _, hi = str(nnodes).partition(":")
+        try:
+            return cls(int(lo), int(hi or lo))
+        except ValueError:
+            raise ConfigError(f"--nnodes {nnodes!r}: give N or MIN:MAX, e.g. --nnodes 2 or --nnodes 2:4") from None
 
     @property
     def elastic(self) -> bool:

@@ -160,13 +160,15 @@ class SpareWatch:
             self._thread.join(timeout=1.0)
 
 
-def report_round(events: Any, generation: int, change: Change, *, node: int, spare_since: float | None) -> None:
+def report_round(events: Any, generation: int, change: Change, *, node: int, spare_since: float | None,
+                 via: str = "rendezvous") -> None:
     """The events of a settled round: ``spare`` with ``state: "joined"`` on a spare that took a
     rank (``node``, ``replaced``: the identity of the node that held it, ``standby_s``), and
-    ``membership`` (``Change.to_event``) on every agent when the membership changed."""
+    ``membership`` (``Change.to_event`` and ``via``: ``rendezvous`` or ``regroup``) on every agent
+    when the membership changed."""
     if spare_since is not None:
         events.emit("spare", generation=generation, state="joined", node=node,
                     replaced=change.before.get(node) if change.before.get(node) in change.left else None,
                     standby_s=round(time.time() - spare_since, 3))
     if change:
-        events.emit("membership", generation=generation, **change.to_event())
+        events.emit("membership", generation=generation, via=via, **change.to_event())
