@@ -115,7 +115,8 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     """``--nnodes 1:2``: node 1's machine is lost, node 0 goes on alone through the survivors'
     regroup (no rendezvous round); node 1 comes back, the job grows to 2 nodes at the next poll,
     and that arrival costs no restart (the state file's ``restarts`` stays 1, the lost node's)."""
-    job = make_job(train=["--steps", str(STEPS), "--global-mode"], node_timeout=3.0, nnodes_arg="1:2")
+    steps = 500  # long enough for node 1's agent to start again on a loaded machine while rank 0 trains alone
+    job = make_job(train=["--steps", str(steps), "--global-mode"], node_timeout=3.0, nnodes_arg="1:2")
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
@@ -129,7 +130,12 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     job.wait_for(lambda: _first_step_after(job, 0, g1), 60, "rank 0 trains alone")
     print(f"elastic shrink: SIGKILL of node 1 -> rank 0 training alone: {(_first_step_after(job, 0, g1) or 0) - t_kill:.2f}s")
     resumed = job.resumed(0, g1)
-    assert resumed is not None and resumed["step"] is not None and resumed["step"] >= at_kill - 1, resumed
+    assert resumed is not None and resumed["step"] is not None, resumed
+    # the newest step rank 0 can load alone: its own files and node 1's newest replica on node 0
+    replicated = max(int(p.parent.name.removeprefix("step_"))
+                     for p in (Path(job.memory[0]) / ".replicas").rglob("COMMITTED"))
+    assert min(replicated, at_kill) - 1 <= resumed["step"] <= min(replicated, at_kill), (resumed, replicated, at_kill)
+    assert resumed["digest"] == steps_of(job, 0)[0][resumed["step"]]  # the weights saved at that step, bit for bit
     assert not [e for e in job.events(0) if e["event"] == "warning" and "re-rendezvous" in e.get("what", "")
                 and e["generation"] >= g1]
     job.wait_for(lambda: job.last_step(0, generation=g1) >= resumed["step"] + 5, 60, "5 steps alone")
@@ -141,7 +147,9 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     g2 = int(grown["generation"])
     assert job.wait_exit(240) == {0: 0, 1: 0}, job.report()
     restarts = [e for e in job.events(0) if e["event"] == "restart"]
-    assert [e["reason"] for e in restarts] == ["LostNode", "MembershipChange"], restarts
+    # the machine's loss reaches node 0 first as its worker's Crash (gloo's peer reset) or as LostNode
+    assert [e["reason"] for e in restarts][1:] == ["MembershipChange"], restarts
+    assert restarts[0]["reason"] in ("Crash", "LostNode"), restarts
     assert "no restart counted" in restarts[-1]["why"], restarts[-1]
     st = _state(job, 0)
     assert (st["restarts"], st["membership_changes"]) == (1, 1), st
@@ -149,4 +157,4 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     assert all(b is not None and b["step"] is not None for b in both), both
     assert both[0]["step"] == both[1]["step"] >= job.last_step(0, generation=g1) - 1, both
     assert both[0]["digest"] == both[1]["digest"]  # one model, loaded alike on both ranks
-    assert all(job.last_step(r, generation=g2) == STEPS for r in RANKS)
+    assert all(job.last_step(r, generation=g2) == steps for r in RANKS)

@@ -57,6 +57,7 @@ from tierckpt.launcher.spares import (
     JobEnded,
     SpareGate,
     SpareWatch,
+    arrivals,
     open_seats,
     publish_nodes,
     report_round,
@@ -120,6 +121,7 @@ class TierckptAgent(LocalElasticAgent):
         self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
         self._changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
         self._changes = 0  # ... and of this one, as of the last decision
+        self._arrivals_seen = 0  # spares.arrivals when this round settled
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
@@ -209,6 +211,7 @@ class TierckptAgent(LocalElasticAgent):
         self._peers_published = None
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
+        self._arrivals_seen = arrivals(job_store)
         report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare_since, via=via)
         self._change = Change(before={}, after={})
 
@@ -237,6 +240,14 @@ class TierckptAgent(LocalElasticAgent):
         self.generation = g + 1
         self._settle(ctl.store, spare_since=None, via="regroup")
         return True
+
+    def _arrived(self) -> bool:
+        """An agent passed the spare gate into a job below its maximum since this round settled
+        (spares.arrivals: one store operation a poll, only while the job runs below MAX)."""
+        el, ctl = self.opts.elastic, self._ctl
+        if el is None or ctl is None or self.nnodes >= el.max_nodes:
+            return False
+        return arrivals(ctl.store) > self._arrivals_seen
 
     def _lost_nodes(self, fault: dict[str, Any]) -> list[int]:
         """The group ranks a re-rendezvous lacks: a LostNode claim's, else (a machine gone with its
@@ -451,8 +462,8 @@ class TierckptAgent(LocalElasticAgent):
                 return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for "
                                        f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
                                        node=lost[0]), "lost": sorted(lost)}
-        if wg.spec.rdzv_handler.num_nodes_waiting() > 0:
-            return self._record("MembershipChange", None, "a new agent is waiting in the rendezvous", since=now)
+        if wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived():
+            return self._record(MEMBERSHIP_CHANGE, None, "a new agent is waiting in the rendezvous", since=now)
         return None
 
     def _deadline_passed(self) -> tuple[str, str] | None:

@@ -19,7 +19,10 @@ list, the job restarts for a membership change, and the spare can take a live no
 a **gate** in the job store before torch's rendezvous: it draws a ticket (arrival order) and
 enters the rendezvous only when the survivors of a lost node have opened a seat for it
 (``open_seats``); one seat, one spare. The redundancy list remains for an agent that arrives
-while the first round forms; ``SpareWatch`` reports it.
+while the first round forms; ``SpareWatch`` reports it. An agent that finds the job below its
+maximum goes on into the rendezvous and counts itself in ``arrivals``, which the running agents
+read at each poll (a ``MembershipChange``): after a regroup torch's own wait list did not show
+the new node to the survivor (seen in ``test_elastic_job_shrinks_...``).
 
 Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
 
@@ -41,12 +44,13 @@ from typing import Any
 
 from tierckpt.launcher.membership import Change
 
-__all__ = ["JobEnded", "SpareGate", "SpareWatch", "open_seats", "publish_nodes", "report_round",
+__all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "open_seats", "publish_nodes", "report_round",
            "spares_waiting", "standing_by"]
 
 _NODES = "tierckpt/run/nodes"  # nodes of the running round (group rank 0 sets it after each round)
 _SEATS = "tierckpt/run/seats"  # seats opened for spares so far (survivors add the lost nodes' count)
 _TICKETS = "tierckpt/run/spare-tickets"  # spares that came to the gate so far (arrival order)
+_ARRIVALS = "tierckpt/run/arrivals"  # agents that passed the gate into a job below its maximum
 _DONE = "tierckpt/run/done/0"  # JobControl.mark_done of group rank 0: the job finished
 
 
@@ -72,6 +76,11 @@ def open_seats(store: Any, generation: int, node: int, count: int) -> bool:
     return True
 
 
+def arrivals(store: Any) -> int:
+    """Agents admitted so far into a running job below its maximum (one store operation)."""
+    return int(store.add(_ARRIVALS, 0))
+
+
 def spares_waiting(store: Any) -> int:
     """Spares at the gate not yet admitted (two store operations, never blocks)."""
     return max(0, int(store.add(_TICKETS, 0)) - int(store.add(_SEATS, 0)))
@@ -92,7 +101,11 @@ class SpareGate:
         """Block until admitted; raise ``JobEnded`` when the job finished meanwhile."""
         st = self.store
         nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
-        if nodes < self.max_nodes or st.check([_DONE]):
+        if st.check([_DONE]):
+            return None
+        if nodes < self.max_nodes:
+            if nodes > 0:  # a running job with room: tell its agents (torch's wait list is not always seen)
+                st.add(_ARRIVALS, 1)
             return None
         ticket = int(st.add(_TICKETS, 1))
         since = time.time()
