@@ -273,7 +273,9 @@ class TierckptAgent(LocalElasticAgent):
         max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
         if store is None or not isinstance(max_nodes, int):
             return None
-        return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by).wait()
+        pool = self._pool
+        return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by,
+                         ready=lambda: pool is None or pool.all_ready()).wait()
 
     def _standing_by(self, job_nodes: int) -> None:
         """SpareWatch: this agent waits in the rendezvous's redundancy list (a hot spare)."""

@@ -91,10 +91,13 @@ class SpareGate:
     module doc. ``wait`` returns the time it began standing by (None: the job had room)."""
 
     def __init__(self, store: Any, max_nodes: int, on_standby: Callable[[int], None], *,
+                 ready: Callable[[], bool] = lambda: True, ready_timeout_s: float = 60.0,
                  poll_s: float = 0.2) -> None:
         self.store = store
         self.max_nodes = max_nodes
         self.on_standby = on_standby
+        self.ready = ready  # this agent's standbys finished their imports
+        self.ready_timeout_s = ready_timeout_s
         self.poll_s = poll_s
 
     def wait(self) -> float | None:
@@ -104,7 +107,11 @@ class SpareGate:
         if st.check([_DONE]):
             return None
         if nodes < self.max_nodes:
-            if nodes > 0:  # a running job with room: tell its agents (torch's wait list is not always seen)
+            if nodes > 0:  # a running job with room: join it warm, then tell its agents (torch's
+                # wait list is not always seen); the job stops for the new round only then
+                deadline = time.monotonic() + self.ready_timeout_s
+                while not self.ready() and time.monotonic() < deadline:
+                    time.sleep(self.poll_s)
                 st.add(_ARRIVALS, 1)
             return None
         ticket = int(st.add(_TICKETS, 1))

@@ -192,6 +192,10 @@ class StandbyPool:
         self._reported.update(sb.pid for sb in out)
         return out
 
+    def all_ready(self) -> bool:
+        """Every live standby finished its imports (a node joining a running job waits for this)."""
+        return all(sb.ready() for sb in self._idle)
+
     @property
     def short(self) -> bool:
         """Fewer live standbys than the policy keeps (dead ones are dropped and listed in ``died``)."""
