@@ -69,6 +69,8 @@ def test_hot_spare_takes_the_lost_nodes_rank(make_job: Callable[..., LocalJob],
     spare = job.wait_for(lambda: next((e for e in job.events(2) if e["event"] == "spare"), None), 120,
                          "the third agent stands by as a spare")
     assert spare["state"] == "standby" and spare["job_nodes"] == 2, spare
+    job.wait_for(lambda: any(e["event"] == "spare" and e["state"] == "warm" for e in job.events(2)), 120,
+                 "the spare's standbys finished their imports")
     # the spare disturbs nothing: no fault, no restart, the generation stays 0 while it waits
     step_then = min(job.last_step(r) for r in RANKS)
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= step_then + 15, 60, "15 more steps with a spare")

@@ -275,12 +275,14 @@ class TierckptAgent(LocalElasticAgent):
             return None
         pool = self._pool
         return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by,
-                         ready=lambda: pool is None or pool.all_ready()).wait()
+                         ready=lambda: pool is None or pool.all_ready(),
+                         on_warm=lambda: self._standing_by(None)).wait()
 
-    def _standing_by(self, job_nodes: int) -> None:
-        """SpareWatch: this agent waits in the rendezvous's redundancy list (a hot spare)."""
-        self.events.emit("spare", generation=self.generation, state="standby", job_nodes=job_nodes,
-                         identity=ranks.identity(self.opts.memory_dir))
+    def _standing_by(self, job_nodes: int | None) -> None:
+        """This agent stands by as a spare (``job_nodes``: the job's nodes), or its standbys just
+        finished their imports (None): ``spare`` events ``standby`` and ``warm``."""
+        fields: dict[str, Any] = {"state": "warm"} if job_nodes is None else {"state": "standby", "job_nodes": job_nodes}
+        self.events.emit("spare", generation=self.generation, identity=ranks.identity(self.opts.memory_dir), **fields)
 
     @property
     def ctl(self) -> JobControl:

@@ -92,12 +92,13 @@ class SpareGate:
 
     def __init__(self, store: Any, max_nodes: int, on_standby: Callable[[int], None], *,
                  ready: Callable[[], bool] = lambda: True, ready_timeout_s: float = 60.0,
-                 poll_s: float = 0.2) -> None:
+                 on_warm: Callable[[], None] = lambda: None, poll_s: float = 0.2) -> None:
         self.store = store
         self.max_nodes = max_nodes
         self.on_standby = on_standby
         self.ready = ready  # this agent's standbys finished their imports
         self.ready_timeout_s = ready_timeout_s
+        self.on_warm = on_warm  # a standing-by spare's standbys finished their imports (once)
         self.poll_s = poll_s
 
     def wait(self) -> float | None:
@@ -117,8 +118,12 @@ class SpareGate:
         ticket = int(st.add(_TICKETS, 1))
         since = time.time()
         self.on_standby(nodes)
+        warm = False
         try:
             while int(st.add(_SEATS, 0)) < ticket:
+                if not warm and self.ready():
+                    warm = True
+                    self.on_warm()
                 if st.check([_DONE]):
                     raise JobEnded("the job finished while this node stood by as a spare")
                 time.sleep(self.poll_s)

@@ -130,13 +130,19 @@ def test_gate_holds_a_spare_until_survivors_open_a_seat(store: Any) -> None:
     publish_nodes(store, 2)
     seen: list[int] = []
     out: list[float | None] = []
-    t = threading.Thread(target=lambda: out.append(SpareGate(store, 2, seen.append, poll_s=0.01).wait()))
+    warm: list[bool] = []
+    t = threading.Thread(target=lambda: out.append(SpareGate(store, 2, seen.append, on_warm=lambda: warm.append(True),
+                                                             poll_s=0.01).wait()))
     t0 = time.time()
     t.start()
     deadline = time.monotonic() + 5
     while spares_waiting(store) < 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert seen == [2] and spares_waiting(store) == 1 and t.is_alive()
+    deadline = time.monotonic() + 5
+    while not warm and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert warm == [True]  # reported once
     assert open_seats(store, 7, node=0, count=1)
     assert not open_seats(store, 7, node=1, count=1)  # the second survivor's call opens nothing more
     t.join(5)
