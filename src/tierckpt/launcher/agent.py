@@ -275,7 +275,7 @@ class TierckptAgent(LocalElasticAgent):
             return None
         pool = self._pool
         return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by,
-                         ready=lambda: pool is None or pool.all_ready(),
+                         ready=lambda: pool is None or pool.workers_ready(),
                          on_warm=lambda: self._standing_by(None)).wait()
 
     def _standing_by(self, job_nodes: int | None) -> None:
@@ -605,6 +605,7 @@ class TierckptAgent(LocalElasticAgent):
             self._join()
         except JobEnded as exc:  # a spare that was never needed
             self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
+            wg.workers = []  # none was ever assigned a rank (torch's run() reports each worker)
             return RunResult(state=WorkerState.SUCCEEDED)
         if self.opts.agent_across_hosts and self._node_agent is None:
             self._host_agent()  # its secret comes from the rendezvous store

@@ -110,7 +110,7 @@ class SpareGate:
         if nodes < self.max_nodes:
             if nodes > 0:  # a running job with room: join it warm, then tell its agents (torch's
                 # wait list is not always seen); the job stops for the new round only then
-                deadline = time.monotonic() + self.ready_timeout_s
+                deadline = time.monotonic() + self.ready_timeout_s  # (the ones its local workers need)
                 while not self.ready() and time.monotonic() < deadline:
                     time.sleep(self.poll_s)
                 st.add(_ARRIVALS, 1)
