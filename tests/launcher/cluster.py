@@ -87,13 +87,18 @@ def alive(pid: int) -> bool:
 class LocalJob:
     def __init__(self, tmp: Path, shm: Callable[[str], str], *, nnodes: int = 2, train: Sequence[str] = (),
                  run_args: Sequence[str] = (), job_file: Path | None = None, durable: str | None = None,
-                 node_timeout: float = 3.0, max_restarts: int = 3) -> None:
+                 node_timeout: float = 3.0, max_restarts: int = 3, slots: int | None = None,
+                 nnodes_arg: str | None = None) -> None:
         self.tmp = tmp
         self.work = tmp / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.nnodes = nnodes
+        #: agents this job may start (spares and late arrivals beyond ``nnodes``), each its own memory root
+        self.slots = nnodes if slots is None else slots
+        #: ``--nnodes`` as passed (``MIN:MAX`` for elastic jobs); default ``nnodes``
+        self.nnodes_arg = str(nnodes) if nnodes_arg is None else nnodes_arg
         self.port = free_port()
-        self.memory = [shm(f"n{n}") for n in range(nnodes)]
+        self.memory = [shm(f"n{n}") for n in range(self.slots)]
         self.train = list(train)
         self.run_args = list(run_args)
         self.job_file = job_file
@@ -105,7 +110,7 @@ class LocalJob:
         self.per_node_args: dict[int, list[str]] = {}
 
     def command(self, node: int) -> list[str]:
-        cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
+        cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes_arg}", "--nproc-per-node=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf=is_host={int(node == 0)}", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.1", f"--namespace={NS}", f"--memory-dir={self.memory[node]}",
@@ -134,7 +139,7 @@ class LocalJob:
 
     # ---- what happened ----
     def events(self, node: int | None = None) -> list[dict[str, Any]]:
-        nodes = range(self.nnodes) if node is None else [node]
+        nodes = range(self.slots) if node is None else [node]
         return [e for n in nodes for e in read_jsonl(self.events_path(n))]
 
     def trace(self, rank: int) -> list[dict[str, Any]]:
@@ -215,6 +220,6 @@ class LocalJob:
             except (ProcessLookupError, PermissionError):
                 pass
         # warm workers orphaned by a killed agent: their command line is the standby's, so by pid
-        for rank in range(self.nnodes):
+        for rank in range(self.slots):
             for pid in {e["pid"] for e in self.trace(rank)}:
                 kill_if_standby(pid)

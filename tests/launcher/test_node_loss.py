@@ -61,7 +61,7 @@ def steps_of(job: LocalJob, rank: int) -> dict[int, dict[int, str]]:
 
 
 def assert_resumed_on_trajectory(job: LocalJob, gen: int, reference: dict[int, dict[int, str]], *,
-                                 at_least: int, complete: bool = True) -> int:
+                                 at_least: int, complete: bool = True, steps: int = STEPS) -> int:
     """Both ranks resumed generation ``gen`` from the same step (the newest both saved, >= ``at_least``), with the weights saved
     at that step, and every step trained since equals the fault-free run's, bit for bit, to the last."""
     resumed = {r: job.resumed(r, gen) for r in RANKS}
@@ -76,7 +76,7 @@ def assert_resumed_on_trajectory(job: LocalJob, gen: int, reference: dict[int, d
         before = {s: d for g, sd in by_gen.items() if g < gen for s, d in sd.items()}
         assert resumed[r]["digest"] == before[step], f"rank {r}: resumed weights differ from those saved at {step}"
         after = by_gen[gen]
-        assert min(after) == step + 1 and (max(after) == STEPS or not complete), (r, min(after), max(after))
+        assert min(after) == step + 1 and (max(after) == steps or not complete), (r, min(after), max(after))
         assert reference[r][step] == before[step]
         wrong = [s for s, d in after.items() if reference[r][s] != d]
         assert not wrong, f"rank {r}: steps {wrong} differ from the fault-free run"

@@ -36,18 +36,36 @@ from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
-from tierckpt.launcher.escalation import Action, Decision, Fault, restarts_before
+from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
+from tierckpt.launcher.membership import (
+    MEMBERSHIP_CHANGE,
+    Change,
+    missing_nodes,
+    prior_restarts,
+    restart_history,
+    shrink,
+)
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.spares import (
+    JobEnded,
+    SpareGate,
+    SpareWatch,
+    arrivals,
+    open_seats,
+    publish_nodes,
+    report_round,
+    spares_waiting,
+)
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
@@ -100,9 +118,14 @@ class TierckptAgent(LocalElasticAgent):
         self._store_addr: tuple[str, int] | None = None
         self._held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
         self._stable_rank: int | None = None  # this round's group rank, set in _assign_worker_ranks
+        self._members: dict[int, str] = {}  # group rank -> identity of the last round (ranks.exchange_round)
+        self._change = Change(before={}, after={})  # the last round's membership change, reported in _join
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
         self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
+        self._changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
+        self._changes = 0  # ... and of this one, as of the last decision
+        self._arrivals_seen = 0  # spares.arrivals when this round settled
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
@@ -115,7 +138,8 @@ class TierckptAgent(LocalElasticAgent):
         restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
                            {"next_generation": next_generation, "full_restarts": full_restarts,
                             "job_started": self._job_started, "hang": self._learn().to_dict(),
-                            "restarts": self._restarts, "resume_before": self.resume_before})
+                            "restarts": self._restarts, "resume_before": self.resume_before,
+                            "membership_changes": self._changes_before + self._changes})
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -141,25 +165,24 @@ class TierckptAgent(LocalElasticAgent):
         memory_dir = self.opts.memory_dir
         survivor = self._held_rank is not None
         prior = self._held_rank if survivor else ranks.load_prior(memory_dir, run_id)
-        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir))
-        stable = ranks.exchange(store, group_rank, group_world_size, claim)
+        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
+                            members=self._members if survivor else None)
+        stable, before, self._members = ranks.exchange_round(store, group_rank, group_world_size, claim)
+        self._change = Change(before=before, after=self._members)
         self._stable_rank = stable
         return super()._assign_worker_ranks(store, stable, group_world_size, spec)
 
     def _join(self) -> None:
         wg = self._worker_group
-        with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"):
+        gated = self._spare_gate()  # a job running on its maximum of nodes: stand by until a seat opens
+        with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"), \
+                SpareWatch(wg.spec.rdzv_handler, self._standing_by) as spare:
             super()._rendezvous(wg)
         if self._stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
             wg.group_rank = self._stable_rank  # type: ignore[assignment]  # torch annotates it None
-        self._held_rank = self.node
-        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
-        if problem is not None:
-            self.events.emit("warning", generation=self.generation, what=problem)
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
-        self._busy = BusyBoard(job_store, self.node)
         st = self._load_state()
         self._learned.merge(Profile.from_dict(st.get("hang")))
         self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
@@ -167,7 +190,19 @@ class TierckptAgent(LocalElasticAgent):
         self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
+        self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
         self.resume_before = resume.agreed(job_store, self.generation)
+        self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
+
+    def _settle(self, job_store: Any, *, spare_since: float | None, via: str) -> None:
+        """After a rendezvous round or a regroup: keep the rank, point the detectors at the new
+        membership, report it (``spare``, ``membership`` events)."""
+        wg = self._worker_group
+        self._held_rank = self.node
+        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
+        if problem is not None:
+            self.events.emit("warning", generation=self.generation, what=problem)
+        self._busy = BusyBoard(job_store, self.node)
         self.events.node = self.node
         self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
@@ -178,6 +213,80 @@ class TierckptAgent(LocalElasticAgent):
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
+        if self.node == 0:
+            publish_nodes(job_store, self.nnodes)
+        self._arrivals_seen = arrivals(job_store)
+        report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare_since, via=via)
+        self._change = Change(before={}, after={})
+
+    def _regroup(self, fault: dict[str, Any], g: int) -> bool:
+        """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
+        membership through the store (``JobControl.regroup``), without a torch rendezvous round;
+        False (use the round) when ``membership.shrink`` says so or a survivor does not arrive."""
+        el, ctl, wg = self.opts.elastic, self.ctl, self._worker_group
+        if el is None or not el.elastic or fault.get("reason") == MEMBERSHIP_CHANGE:
+            return False
+        lost = self._lost_nodes(fault)
+        plan = shrink(nnodes=self.nnodes, lost=lost, elastic=el,
+                      spares_waiting=spares_waiting(ctl.store) + wg.spec.rdzv_handler.num_nodes_waiting())
+        got = ctl.regroup(g, self.node, list(plan.survivors), timeout=self.opts.node_timeout_s) \
+            if plan.regroup and self.node in plan.survivors else None
+        if got is None:
+            return False
+        rank, world = got
+        import torch.distributed as dist
+
+        round_store = dist.PrefixStore(f"tierckpt/run/regroup/{g}/", ctl.store)  # type: ignore[attr-defined]
+        wg.workers = LocalElasticAgent._assign_worker_ranks(self, round_store, rank, world, wg.spec)
+        wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
+        after = {new: self._members.get(old, "") for new, old in enumerate(plan.survivors)}
+        self._change, self._members = Change(before=self._members, after=after), after
+        self.generation = g + 1
+        self._settle(ctl.store, spare_since=None, via="regroup")
+        return True
+
+    def _arrived(self) -> bool:
+        """An agent passed the spare gate into a job below its maximum since this round settled
+        (spares.arrivals: one store operation a poll, only while the job runs below MAX)."""
+        el, ctl = self.opts.elastic, self._ctl
+        if el is None or ctl is None or self.nnodes >= el.max_nodes:
+            return False
+        return arrivals(ctl.store) > self._arrivals_seen
+
+    def _lost_nodes(self, fault: dict[str, Any]) -> list[int]:
+        """The group ranks a re-rendezvous lacks: a LostNode claim's, else (a machine gone with its
+        reaper shows first as the survivors' Crash) the liveness verdict's, awaited up to
+        ``--node-timeout`` (every survivor reads the same verdict key)."""
+        if fault.get("reason") == "LostNode":
+            return [int(n) for n in fault.get("lost") or [fault.get("node")] if n is not None]
+        deadline = time.monotonic() + self.opts.node_timeout_s
+        while self._liveness is not None:
+            lost = self._liveness.lost()
+            if lost or time.monotonic() > deadline:
+                return sorted(lost)
+            time.sleep(0.05)
+        return []
+
+    def _spare_gate(self) -> float | None:
+        """spares.SpareGate before torch's rendezvous; when this agent began standing by, or None.
+        A survivor (it held a rank in this process) never waits there."""
+        if self._held_rank is not None:
+            return None
+        handler = self._worker_group.spec.rdzv_handler
+        store = getattr(handler, "_store", None)
+        max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
+        if store is None or not isinstance(max_nodes, int):
+            return None
+        pool = self._pool
+        return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by,
+                         ready=lambda: pool is None or pool.workers_ready(),
+                         on_warm=lambda: self._standing_by(None)).wait()
+
+    def _standing_by(self, job_nodes: int | None) -> None:
+        """This agent stands by as a spare (``job_nodes``: the job's nodes), or its standbys just
+        finished their imports (None): ``spare`` events ``standby`` and ``warm``."""
+        fields: dict[str, Any] = {"state": "warm"} if job_nodes is None else {"state": "standby", "job_nodes": job_nodes}
+        self.events.emit("spare", generation=self.generation, identity=ranks.identity(self.opts.memory_dir), **fields)
 
     @property
     def ctl(self) -> JobControl:
@@ -359,11 +468,11 @@ class TierckptAgent(LocalElasticAgent):
                 return self._record("LostStore", None, self._liveness.store_error, since=now)
             lost = self._liveness.lost()
             if lost:
-                return self._record("LostNode", None, f"agent(s) of node {lost} silent for "
-                                    f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
-                                    node=lost[0])
-        if wg.spec.rdzv_handler.num_nodes_waiting() > 0:
-            return self._record("MembershipChange", None, "a new agent is waiting in the rendezvous", since=now)
+                return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for "
+                                       f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
+                                       node=lost[0]), "lost": sorted(lost)}
+        if wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived():
+            return self._record(MEMBERSHIP_CHANGE, None, "a new agent is waiting in the rendezvous", since=now)
         return None
 
     def _deadline_passed(self) -> tuple[str, str] | None:
@@ -507,7 +616,12 @@ class TierckptAgent(LocalElasticAgent):
         if not self.opts.agent_across_hosts:
             self._host_agent()
         self._start_pool()
-        self._join()
+        try:
+            self._join()
+        except JobEnded as exc:  # a spare that was never needed
+            self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
+            wg.workers = []  # none was ever assigned a rank (torch's run() reports each worker)
+            return RunResult(state=WorkerState.SUCCEEDED)
         if self.opts.agent_across_hosts and self._node_agent is None:
             self._host_agent()  # its secret comes from the rendezvous store
         self._prefetch()
@@ -578,10 +692,14 @@ class TierckptAgent(LocalElasticAgent):
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self.ctl.stopped(g)
-        history = self._history = [_fault_of(r) for r in self.ctl.history(g)]
-        prior = restarts_before(history)
-        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts, prior_restarts=prior,
-                                               seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
+        claims = [_fault_of(r) for r in self.ctl.history(g)]
+        history = self._history = restart_history(claims)  # a node that arrived costs no restart
+        prior = prior_restarts(claims, self._changes_before)
+        self._changes = len(claims) - len(history)
+        decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
+            if fault.get("reason") == MEMBERSHIP_CHANGE else \
+            self.opts.escalation.decide(history, full_restarts=self.full_restarts, prior_restarts=prior,
+                                        seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
         self._restarts = prior + len(history)
         all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
@@ -599,8 +717,10 @@ class TierckptAgent(LocalElasticAgent):
             self._start_workers_logged(wg)
         else:  # a node is gone or new: torch's rendezvous waits for the membership to settle
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
+            open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
             self._save_state(g + 1, self.full_restarts)
-            self._join()
+            if not self._regroup(fault, g):
+                self._join()
             self.generation = max(self.generation, g + 1)
             self._prefetch()
             self._start_workers_logged(wg)
@@ -619,9 +739,9 @@ class TierckptAgent(LocalElasticAgent):
         if record.get("reason") != "Crash" or not self._inproc.replaceable:
             return record
         g = self.generation
-        history = [_fault_of(r) for r in self.ctl.history(g - 1)] + [_fault_of(record)]
-        decision = self.opts.escalation.decide(history, full_restarts=self.full_restarts,
-                                               prior_restarts=restarts_before(history),
+        claims = [_fault_of(r) for r in self.ctl.history(g - 1)] + [_fault_of(record)]
+        decision = self.opts.escalation.decide(restart_history(claims), full_restarts=self.full_restarts,
+                                               prior_restarts=prior_restarts(claims, self._changes_before),
                                                seed=zlib.crc32(f"{self._worker_group.spec.rdzv_handler.get_run_id()}:{g}".encode()))
         return tag(record, replaceable=True, decision=decision)
 
@@ -633,8 +753,9 @@ class TierckptAgent(LocalElasticAgent):
         if fault.get("kind") != REPLACE or fault.get("node") != self.node or lr is None or \
                 not isinstance(ctx, WarmSubprocessContext):
             return False
-        self._history = [_fault_of(r) for r in self.ctl.history(g)]
-        self._restarts = restarts_before(self._history) + len(self._history)
+        claims = [_fault_of(r) for r in self.ctl.history(g)]
+        self._history = restart_history(claims)
+        self._restarts = prior_restarts(claims, self._changes_before) + len(self._history)
         if float(fault.get("delay_s") or 0.0) > 0:
             self.events.emit("backoff", generation=g, delay_s=round(float(fault["delay_s"]), 3), why=fault.get("why"))
             time.sleep(float(fault["delay_s"]))

@@ -143,6 +143,20 @@ def _loopback_name(host: str) -> bool:
         return False
 
 
+def _job_nnodes(nnodes: str, elastic: tuple[int, int] | None) -> str:
+    """``--nnodes`` after the job file's ``elasticPolicy`` (minReplicas:maxReplicas): it applies
+    when ``--nnodes`` was not given (torchrun's default ``1:1``); both given and different is an error."""
+    if elastic is None:
+        return nnodes
+    wanted = f"{elastic[0]}:{elastic[1]}"
+    given = str(nnodes)
+    lo, _, hi = given.partition(":")
+    if given in ("1:1", wanted) or (lo, hi or lo) == (str(elastic[0]), str(elastic[1])):
+        return wanted
+    raise TierckptError(f"--nnodes {given} and the job file's elasticPolicy ({wanted}) disagree; "
+                        "drop one of them")
+
+
 def _max_nodes(nnodes: str) -> int:
     """The most nodes torchrun's ``--nnodes`` (N or MIN:MAX) admits; 1 when it does not parse (torch reports it)."""
     try:
@@ -155,15 +169,17 @@ def _options(args: Namespace) -> Any:
     from tierckpt.launcher.escalation import EscalationPolicy
     from tierckpt.launcher.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
+    from tierckpt.launcher.membership import Elastic
     from tierckpt.launcher.options import RunOptions
 
     policy = RunPolicy()
-    agent = _agent_config(args)
     if args.job:
         job = load_job_file(args.job)
         policy = job.run_policy
         if job.ignored_fields:
             log.warning("tierckpt run: job file fields not used by the launcher: %s", ", ".join(job.ignored_fields))
+        args.nnodes = _job_nnodes(args.nnodes, job.elastic)
+    agent = _agent_config(args)
     if args.heartbeat_timeout == "auto":
         fixed = None
     else:
@@ -189,7 +205,7 @@ def _options(args: Namespace) -> Any:
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=agent,
         agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
-        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "",
+        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes),
     )
 
 

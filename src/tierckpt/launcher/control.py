@@ -56,6 +56,11 @@ class JobControl:
             if int(got) >= value:
                 return int(got)
 
+    def agree_max(self, key: str, value: int) -> int:
+        """Raise the job-wide counter ``key`` to at least ``value``; the agreed value (every agent
+        offers its own after a rendezvous round, and the highest any node remembers wins)."""
+        return self._raise_to(key, value)
+
     def get_int(self, key: str, default: int = 0) -> int:
         return int(self.store.get(_P + key)) if self.store.check([_P + key]) else default
 
@@ -101,6 +106,10 @@ class JobControl:
     def stopped(self, generation: int) -> None:
         self.store.add(f"{_P}stopped/{generation}", 1)
 
+    def stopped_count(self, generation: int) -> int:
+        """How many agents acked the stop barrier of ``generation`` so far (never blocks)."""
+        return int(self.store.add(f"{_P}stopped/{generation}", 0))
+
     def wait_stopped(self, generation: int, nnodes: int, timeout: float) -> bool:
         """True when every agent stopped its workers of ``generation`` within ``timeout``."""
         return _reached(self.store, f"{_P}stopped/{generation}", nnodes, timeout)
@@ -111,10 +120,14 @@ class JobControl:
         ``survivors`` is the same list on every survivor (the group ranks not in the claim's lost
         set); the new group rank is this node's place in it. One ``add`` each and a wait on one
         key; None when not every survivor arrived within ``timeout`` (another node is gone too:
-        fall back to the rendezvous). Not yet used by the agent, which re-rendezvous through
-        torch's handler; ``bench scale`` measures it against that handler.
+        fall back to the rendezvous), or when ``node`` is not a survivor (the verdict counted it
+        lost while it still runs: it must not take a survivor's place in the count). The agent
+        calls it for a shrink of an elastic job (``membership.shrink``); ``bench scale``
+        measures it against torch's handler.
         """
         order = sorted(survivors)
+        if node not in order:
+            return None
         key = f"{_P}regroup/{generation}"
         self.store.add(key, 1)
         if not _reached(self.store, key, len(order), timeout):

@@ -83,7 +83,7 @@ class Events:
         elif event == "restart":
             self.restarts.inc(kind=str(fields.get("kind")))
         with self._lock:
-            if self._node is None:
+            if self._node is None and event != "spare":  # a spare's stand-by is news before any rank is known
                 self._held.append(rec)
             else:
                 self._write(rec)

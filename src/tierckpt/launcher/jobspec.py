@@ -136,6 +136,8 @@ class JobFile:
 
     run_policy: RunPolicy
     ignored_fields: tuple[str, ...]
+    #: ``spec.elasticPolicy`` (minReplicas, maxReplicas): the job's nodes, as ``--nnodes MIN:MAX``
+    elastic: tuple[int, int] | None = None
 
 
 # --- field readers: each names the field path in its error -------------------------------------
@@ -377,8 +379,9 @@ _SPEC_FIELDS = ("nprocPerNode", "replicaSpecs", "runPolicy", "elasticPolicy")
 def parse_job(document: Mapping[str, Any]) -> JobFile:
     """Parse a full HyperPodPyTorchJob (it has ``spec`` or ``kind``) or a bare runPolicy mapping.
 
-    Of a full job only ``spec.runPolicy`` is used; ``metadata``, ``status``, ``spec.nprocPerNode``,
-    ``spec.replicaSpecs`` and ``spec.elasticPolicy`` are accepted and listed as ignored.
+    Of a full job ``spec.runPolicy`` and ``spec.elasticPolicy``'s minReplicas/maxReplicas are used;
+    ``metadata``, ``status``, ``spec.nprocPerNode`` and ``spec.replicaSpecs`` are accepted and
+    listed as ignored.
     """
     doc = _mapping(document, "job file")
     if "spec" not in doc and "kind" not in doc:
@@ -392,11 +395,28 @@ def parse_job(document: Mapping[str, Any]) -> JobFile:
     ignored = [key for key in ("metadata", "status") if key in doc]
     spec = _mapping({} if doc.get("spec") is None else doc["spec"], "spec")
     _check_keys(spec, _SPEC_FIELDS, "spec")
-    ignored.extend(f"spec.{key}" for key in ("nprocPerNode", "replicaSpecs", "elasticPolicy") if key in spec)
+    ignored.extend(f"spec.{key}" for key in ("nprocPerNode", "replicaSpecs") if key in spec)
+    elastic = _parse_elastic(spec["elasticPolicy"], ignored) if _present(spec, "elasticPolicy") else None
     if not _present(spec, "runPolicy"):
-        return JobFile(RunPolicy(), tuple(ignored))
+        return JobFile(RunPolicy(), tuple(ignored), elastic)
     policy, more = parse_run_policy(spec["runPolicy"], where="spec.runPolicy")
-    return JobFile(policy, tuple(ignored + more))
+    return JobFile(policy, tuple(ignored + more), elastic)
+
+
+def _parse_elastic(raw: Any, ignored: list[str]) -> tuple[int, int] | None:
+    """``spec.elasticPolicy``: ``minReplicas``/``maxReplicas`` become ``--nnodes MIN:MAX`` (one given:
+    both the same); its other fields (the Kubeflow rendezvous settings, metrics) are listed as ignored."""
+    where = "spec.elasticPolicy"
+    m = _mapping(raw, where)
+    ignored.extend(f"{where}.{k}" for k in m if k not in ("minReplicas", "maxReplicas"))
+    lo = _int(m["minReplicas"], f"{where}.minReplicas", minimum=1) if _present(m, "minReplicas") else None
+    hi = _int(m["maxReplicas"], f"{where}.maxReplicas", minimum=1) if _present(m, "maxReplicas") else None
+    if lo is None and hi is None:
+        return None
+    lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
+    if lo is None or hi is None or hi < lo:
+        raise _fail(f"{where}.maxReplicas", f"must be at least minReplicas ({lo}), got {hi}")
+    return lo, hi
 
 
 def load_job_file(path: str | os.PathLike[str]) -> JobFile:

@@ -8,6 +8,7 @@ from typing import Any
 from tierckpt.launcher.escalation import EscalationPolicy
 from tierckpt.launcher.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
+from tierckpt.launcher.membership import Elastic
 from tierckpt.launcher.warm import WarmPolicy
 
 __all__ = ["FULL_RESTART_EXIT", "RunOptions"]
@@ -37,6 +38,8 @@ class RunOptions:
                                            was given); it starts after the first rendezvous
     rdzv_endpoint                          HOST:PORT named in rendezvous progress lines ('' unknown)
     warm                                   standby interpreters for warm (re)starts (0: off)
+    elastic                                --nnodes MIN:MAX (or the job's elasticPolicy): a lost node
+                                           with MIN survivors regroups without a rendezvous round
     """
 
     namespace: str | None = None
@@ -54,3 +57,4 @@ class RunOptions:
     agent: Any = None  # tierckpt.agent.AgentConfig: host a node agent (replication, budget, flush)
     agent_across_hosts: bool = False
     rdzv_endpoint: str = ""
+    elastic: Elastic | None = None

@@ -12,8 +12,12 @@ Call order (``TierckptAgent``, inside torch's ``_rendezvous``, before the worker
 assigned):
 
     prior = load_prior(opts, run_id)                    # the rank the last process on this node held
-    rank = exchange(round_store, torch_rank, world, Claim(prior=..., survivor=...))
+    rank, before, after = exchange_round(round_store, torch_rank, world, Claim(prior=..., survivor=..., members=...))
     save_prior(opts, run_id, rank, world)               # for the next process on this node
+
+``before`` / ``after`` (group rank -> identity) are the membership of the previous round as the
+survivors knew it and of this one: ``membership.Change`` names the nodes that left, joined, or
+replaced a lost node (a hot spare).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from tierckpt.config import DEFAULT_MEMORY_DIR
 from tierckpt.errors import ProtocolError
 from tierckpt.launcher.state import STATE_DIR
 
-__all__ = ["Claim", "assign", "exchange", "identity", "load_prior", "save_prior"]
+__all__ = ["Claim", "assign", "exchange", "exchange_round", "identity", "load_prior", "save_prior"]
 
 _KEY = "tierckpt/rank-claim/"
 
@@ -43,22 +47,29 @@ class Claim:
     prior     the group rank this node held last (None: none known, a new machine)
     survivor  the rank was held by this very process (not read back from a file): it wins a
               conflict, since its workers' memory tier certainly holds that rank's files
-    identity  host and memory root, for messages
+    identity  host and memory root: names the node in events, and for ``offenders.py``
+    members   a survivor's view of the previous round's membership (group rank -> identity);
+              None for an agent that held no rank in this process (a new, relaunched or spare node)
     """
 
     prior: int | None
     survivor: bool = False
     identity: str = ""
+    members: dict[int, str] | None = None
 
     def to_json(self) -> bytes:
-        return json.dumps({"prior": self.prior, "survivor": self.survivor, "identity": self.identity}).encode()
+        members = None if self.members is None else {str(k): v for k, v in self.members.items()}
+        return json.dumps({"prior": self.prior, "survivor": self.survivor, "identity": self.identity,
+                           "members": members}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Claim:
         d = json.loads(raw)
         prior = d.get("prior")
+        members = d.get("members")
         return cls(prior=None if prior is None else int(prior), survivor=bool(d.get("survivor")),
-                   identity=str(d.get("identity", "")))
+                   identity=str(d.get("identity", "")),
+                   members=None if not isinstance(members, dict) else {int(k): str(v) for k, v in members.items()})
 
 
 def assign(claims: Sequence[Claim]) -> list[int]:
@@ -86,6 +97,13 @@ def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: 
     ``store`` is the round's store (torch's ``PrefixStore`` per round), so claims of an older
     round are never read.
     """
+    return exchange_round(store, torch_rank, world, claim, timeout=timeout)[0]
+
+
+def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
+                   timeout: float = 120.0) -> tuple[int, dict[int, str], dict[int, str]]:
+    """``exchange``, plus the memberships: (this agent's rank, the previous round's membership as
+    the survivors knew it, this round's membership), each group rank -> identity."""
     store.set(f"{_KEY}{torch_rank}", claim.to_json())
     keys = [f"{_KEY}{i}" for i in range(world)]
     deadline = time.monotonic() + timeout
@@ -95,7 +113,13 @@ def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: 
                                 "rendezvous; check that every node runs the same tierckpt version")
         time.sleep(0.01)
     claims = [Claim.from_json(store.get(k)) for k in keys]
-    return assign(claims)[torch_rank]
+    order = assign(claims)
+    before: dict[int, str] = {}
+    for c in claims:  # every survivor knew the same previous membership; merge in case one is stale
+        if c.survivor and c.members:
+            before.update(c.members)
+    after = {order[i]: c.identity for i, c in enumerate(claims)}
+    return order[torch_rank], before, after
 
 
 def _path(memory_dir: str | None, run_id: str) -> Path:

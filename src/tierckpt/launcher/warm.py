@@ -192,6 +192,11 @@ class StandbyPool:
         self._reported.update(sb.pid for sb in out)
         return out
 
+    def workers_ready(self) -> bool:
+        """As many standbys finished their imports as there are local workers (a node joining a
+        running job waits for this; the spares beyond them import at SCHED_IDLE, maybe for long)."""
+        return sum(1 for sb in self._idle if sb.ready()) >= min(self.policy.workers, len(self._idle))
+
     @property
     def short(self) -> bool:
         """Fewer live standbys than the policy keeps (dead ones are dropped and listed in ``died``)."""

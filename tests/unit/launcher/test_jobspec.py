@@ -245,10 +245,25 @@ def test_full_job_ignored_fields() -> None:
     assert job.ignored_fields == (
         "metadata",
         "status",
-        "spec.elasticPolicy",
         "spec.runPolicy.suspend",
         "spec.runPolicy.workloadMode",
     )
+    assert job.elastic == (1, 1)  # minReplicas alone: a fixed size
+
+
+def test_elastic_policy_maps_to_nnodes() -> None:
+    from tierckpt.launcher.cli import _job_nnodes
+
+    job = parse_job({"kind": "HyperPodPyTorchJob",
+                     "spec": {"elasticPolicy": {"minReplicas": 2, "maxReplicas": 4, "rdzvBackend": "c10d"}}})
+    assert job.elastic == (2, 4) and job.ignored_fields == ("spec.elasticPolicy.rdzvBackend",)
+    assert _job_nnodes("1:1", job.elastic) == "2:4"  # --nnodes not given
+    assert _job_nnodes("2:4", job.elastic) == "2:4"
+    with pytest.raises(TierckptError, match="disagree"):
+        _job_nnodes("3", job.elastic)
+    msg = _error({"kind": "HyperPodPyTorchJob", "spec": {"elasticPolicy": {"minReplicas": 3, "maxReplicas": 2}}},
+                 run_policy=False)
+    assert "spec.elasticPolicy.maxReplicas" in msg
 
 
 def test_wrong_kind() -> None:

@@ -165,3 +165,6 @@ def test_stop_barrier_and_regroup_cost_a_few_operations_per_agent_whatever_the_w
     assert [out[i][1] for i in range(n) if i != 5] == [(r, n - 1) for r in range(n - 1)]
     assert max(c.value for c in counters) <= 8, [c.value for c in counters]  # add, add, wait, set; twice
     assert ctls[0].regroup(4, 0, [0, 1], timeout=0.2) is None  # node 1 never comes
+    # a node the verdict counted lost (still running) is no survivor: no rank, and the count is untouched
+    assert ctls[5].regroup(5, 5, [0, 1], timeout=0.2) is None
+    assert ctls[0].store.add("tierckpt/run/regroup/5", 0) == 0

@@ -1,0 +1,199 @@
+"""Hot spares: an agent that arrives while the job already runs on its maximum of nodes.
+
+torch's c10d rendezvous handler (torch >= 2.3; read in 2.13's ``dynamic_rendezvous.py``) puts
+a node that arrives at a complete round whose participants already number ``max_nodes`` in the
+round's *redundancy list*: it keeps its keep-alive beat and re-reads the state about once a
+second, and it is not counted by ``num_nodes_waiting()`` (only the wait list is), so the running
+agents see no membership change and do not restart. When a participant's keep-alive expires
+(a lost node), the round has fewer than ``max_nodes`` participants: the spare leaves the
+redundancy list for the wait list and joins the survivors' next round, where ``ranks.assign``
+gives it the free rank, the lost node's (the survivors keep theirs). Its standby interpreters
+were started before it entered the rendezvous, so its workers start warm, and they resume the
+lost rank's newest step from the peer replica (``--replicas``).
+
+That redundancy list is not safe on a loaded machine: every sync of the waiting spare drops
+participants whose keep-alive looks older than ``keep_alive_interval x keep_alive_max_attempt``
+(3 s under ``tierckpt run``), so a participant whose beat is late makes the spare join the wait
+list, the job restarts for a membership change, and the spare can take a live node's place
+(seen at load average 9 here). So an agent that finds the job running on ``max_nodes`` waits at
+a **gate** in the job store before torch's rendezvous: it draws a ticket (arrival order) and
+enters the rendezvous only when the survivors of a lost node have opened a seat for it
+(``open_seats``); one seat, one spare. The redundancy list remains for an agent that arrives
+while the first round forms; ``SpareWatch`` reports it. An agent that finds the job below its
+maximum goes on into the rendezvous and counts itself in ``arrivals``, which the running agents
+read at each poll (a ``MembershipChange``): after a regroup torch's own wait list did not show
+the new node to the survivor (seen in ``test_elastic_job_shrinks_...``).
+
+Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
+
+    since = SpareGate(job_store, max_nodes, on_standby).wait()   # returns when admitted
+    with SpareWatch(handler, on_standby=lambda job_nodes: ...) as watch:
+        handler.next_rendezvous()
+    publish_nodes(job_store, nnodes)               # group rank 0, after every round or regroup
+    ...survivors, going to a new round after losing k nodes:  open_seats(job_store, g, node, k)
+    watch.since        # when this agent began standing by as a spare (None: it never did)
+    report_round(events, generation, change, node=..., spare_since=watch.since)   # after the round
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from tierckpt.launcher.membership import Change
+
+__all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "open_seats", "publish_nodes", "report_round",
+           "spares_waiting", "standing_by"]
+
+_NODES = "tierckpt/run/nodes"  # nodes of the running round (group rank 0 sets it after each round)
+_SEATS = "tierckpt/run/seats"  # seats opened for spares so far (survivors add the lost nodes' count)
+_TICKETS = "tierckpt/run/spare-tickets"  # spares that came to the gate so far (arrival order)
+_ARRIVALS = "tierckpt/run/arrivals"  # agents that passed the gate into a job below its maximum
+_DONE = "tierckpt/run/done/0"  # JobControl.mark_done of group rank 0: the job finished
+
+
+class JobEnded(Exception):  # noqa: N818 - a way out of the gate, not an error
+    """The job finished (or its store went away) while this agent stood by as a spare."""
+
+
+def publish_nodes(store: Any, nnodes: int) -> None:
+    """The running round has ``nnodes`` nodes (group rank 0, after every round or regroup)."""
+    store.set(_NODES, str(nnodes).encode())
+
+
+def open_seats(store: Any, generation: int, node: int, count: int) -> bool:
+    """Survivors going to a new round after losing ``count`` nodes in ``generation``: admit that
+    many spares. Every survivor may call it; the first one's count counts (``compare_set``), so
+    the seats of one generation open once. True when this call opened them."""
+    if count <= 0:
+        return False
+    me = str(node).encode()
+    if bytes(store.compare_set(f"{_SEATS}/{generation}", b"", me)) != me:
+        return False
+    store.add(_SEATS, count)
+    return True
+
+
+def arrivals(store: Any) -> int:
+    """Agents admitted so far into a running job below its maximum (one store operation)."""
+    return int(store.add(_ARRIVALS, 0))
+
+
+def spares_waiting(store: Any) -> int:
+    """Spares at the gate not yet admitted (two store operations, never blocks)."""
+    return max(0, int(store.add(_TICKETS, 0)) - int(store.add(_SEATS, 0)))
+
+
+class SpareGate:
+    """Holds an agent that arrives while the job runs on ``max_nodes`` until a seat opens; see the
+    module doc. ``wait`` returns the time it began standing by (None: the job had room)."""
+
+    def __init__(self, store: Any, max_nodes: int, on_standby: Callable[[int], None], *,
+                 ready: Callable[[], bool] = lambda: True, ready_timeout_s: float = 60.0,
+                 on_warm: Callable[[], None] = lambda: None, poll_s: float = 0.2) -> None:
+        self.store = store
+        self.max_nodes = max_nodes
+        self.on_standby = on_standby
+        self.ready = ready  # this agent's standbys finished their imports
+        self.ready_timeout_s = ready_timeout_s
+        self.on_warm = on_warm  # a standing-by spare's standbys finished their imports (once)
+        self.poll_s = poll_s
+
+    def wait(self) -> float | None:
+        """Block until admitted; raise ``JobEnded`` when the job finished meanwhile."""
+        st = self.store
+        nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
+        if st.check([_DONE]):
+            return None
+        if nodes < self.max_nodes:
+            if nodes > 0:  # a running job with room: join it warm, then tell its agents (torch's
+                # wait list is not always seen); the job stops for the new round only then
+                deadline = time.monotonic() + self.ready_timeout_s  # (the ones its local workers need)
+                while not self.ready() and time.monotonic() < deadline:
+                    time.sleep(self.poll_s)
+                st.add(_ARRIVALS, 1)
+            return None
+        ticket = int(st.add(_TICKETS, 1))
+        since = time.time()
+        self.on_standby(nodes)
+        warm = False
+        try:
+            while int(st.add(_SEATS, 0)) < ticket:
+                if not warm and self.ready():
+                    warm = True
+                    self.on_warm()
+                if st.check([_DONE]):
+                    raise JobEnded("the job finished while this node stood by as a spare")
+                time.sleep(self.poll_s)
+        except JobEnded:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store's host left: the job is over
+            raise JobEnded(f"the job's store went away while this node stood by as a spare: {exc}") from exc
+        return since
+
+
+def standing_by(handler: Any) -> int | None:
+    """The number of nodes the running round has, if this agent waits in its redundancy list
+    (a spare); None otherwise or when torch's private state cannot be read (``getattr`` with
+    fallbacks, as ``rdzvwait.joined``)."""
+    holder = getattr(handler, "_state_holder", None)
+    state = getattr(holder, "state", None) if holder is not None else None
+    node = getattr(handler, "_this_node", None)
+    redundant = getattr(state, "redundancy_list", None)
+    participants = getattr(state, "participants", None)
+    if node is None or not isinstance(redundant, set) or not isinstance(participants, dict):
+        return None
+    try:
+        return len(participants) if node in redundant else None
+    except TypeError:  # an unhashable descriptor in some future torch
+        return None
+
+
+class SpareWatch:
+    """Watches torch's rendezvous state while a round blocks; calls ``on_standby(job_nodes)`` once,
+    from its own thread, when this agent is first found in the redundancy list."""
+
+    def __init__(self, handler: Any, on_standby: Callable[[int], None], *, every_s: float = 0.25) -> None:
+        self.handler = handler
+        self.on_standby = on_standby
+        self.every_s = every_s
+        self.since: float | None = None  # time.time() when first seen standing by
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            nodes = standing_by(self.handler)
+            if nodes is not None:
+                self.since = time.time()
+                try:
+                    self.on_standby(nodes)
+                except Exception:  # noqa: BLE001 - a report must not break the rendezvous
+                    pass
+                return
+
+    def __enter__(self) -> SpareWatch:
+        self._thread = threading.Thread(target=self._run, name="tierckpt-spare-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+
+def report_round(events: Any, generation: int, change: Change, *, node: int, spare_since: float | None,
+                 via: str = "rendezvous") -> None:
+    """The events of a settled round: ``spare`` with ``state: "joined"`` on a spare that took a
+    rank (``node``, ``replaced``: the identity of the node that held it, ``standby_s``), and
+    ``membership`` (``Change.to_event`` and ``via``: ``rendezvous`` or ``regroup``) on every agent
+    when the membership changed."""
+    if spare_since is not None:
+        events.emit("spare", generation=generation, state="joined", node=node,
+                    replaced=change.before.get(node) if change.before.get(node) in change.left else None,
+                    standby_s=round(time.time() - spare_since, 3))
+    if change:
+        events.emit("membership", generation=generation, via=via, **change.to_event())
