@@ -684,8 +684,9 @@ class TierckptAgent(LocalElasticAgent):
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
         if self._replace_alone(fault, g, t_detect):
             return None
-        if self._inproc.handles(fault, self.node) and self._inproc.restart(
-                g, fault.get("reason"), kind=str(fault.get("kind") or "inprocess")) is not None:
+        if self._inproc.handles(fault, self.node) and self._inproc.restart(  # a replace: from the claim's detection
+                g, fault.get("reason"), kind=str(fault.get("kind") or "inprocess"),
+                since=fault.get("time") if _kind(fault) else None) is not None:
             self.generation = g + 1  # the processes stay; a fresh claim key for the next fault
             self._rearm_trackers()
             return None

@@ -117,7 +117,7 @@ class InProcessRestarts:
             time.sleep(0.01)
             self._read()
         self._seen.add(want)
-        recovery = time.time() - t0
+        recovery = max(0.0, time.time() - t0)
         stages = [r.get("stages_s") for r in self._records.get(want, []) if r.get("joined")]
         self.events.emit("restart", generation=generation, kind=kind, reason=reason, inprocess=want,
                          recovery_s=round(recovery, 3), **({"join_stages_s": stages[0]} if stages else {}), **detail)
