@@ -12,6 +12,9 @@ Call order (one agent per node, all the same code):
      the stop barrier, decide (the same pure ``EscalationPolicy`` on the same history on every
      node), then restart in place (same membership, no rendezvous round), or re-rendezvous
      (a node was lost), or exit ``FULL_RESTART_EXIT`` / fail, persisting the newest memory step.
+     A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
+     whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
+     A ``MembershipChange`` (a node arrived) restarts without counting a restart.
 """
 
 from __future__ import annotations
