@@ -60,8 +60,10 @@ def test_hot_spare_takes_the_lost_nodes_rank(make_job: Callable[..., LocalJob],
                                              fault_free: dict[int, dict[int, str]]) -> None:
     """A third agent on ``--nnodes 2:2`` stands by; node 1's machine is lost; the spare takes rank 1
     in the next round without a full job restart and resumes it from node 0's replica."""
-    job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "1"], node_timeout=3.0,
-                   slots=3, nnodes_arg="2:2")
+    # 0.3 s steps (the same trajectory as the reference's 0.1 s: only the pace differs) so that the
+    # job outlasts the spare's start-up and warm-up on a loaded machine
+    job = make_job(train=["--steps", str(STEPS), "--step-time", "0.3"], run_args=["--replicas", "1"],
+                   node_timeout=3.0, slots=3, nnodes_arg="2:2")
     job.start(order=[0, 1])
     job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(n)) for n in (0, 1)), 120,
                  "nodes 0 and 1 form the job")

@@ -14,6 +14,9 @@ Call order (one agent per node, all the same code):
      (a node was lost), or exit ``FULL_RESTART_EXIT`` / fail, persisting the newest memory step.
      Workers under ``tierckpt.resilient`` skip the stop: a live-process fault restarts them
      in-process (inprocess.py), a dead one is replaced alone while the others stay (replace.py).
+     A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
+     whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
+     A ``MembershipChange`` (a node arrived) restarts without counting a restart.
 """
 
 from __future__ import annotations
