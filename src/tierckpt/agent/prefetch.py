@@ -24,7 +24,8 @@ Which namespaces: local mode saves rank ``r`` in ``<ns>--rank<r>`` (every file o
 files ``__<r>_<k>.distcp`` and ``.metadata``). Both are asked; the one the peers hold is fetched.
 
 Call order: ``start(agent, namespace, ranks, on_done)`` returns a started ``PrefetchJob`` at
-once (one daemon thread) → ``job.wait(timeout)`` (tests) or ``on_done(job)`` from the thread.
+once (one daemon thread) → ``on_done(job)`` from the thread when it ends, then ``job.wait()``
+returns.
 """
 
 from __future__ import annotations
@@ -154,9 +155,13 @@ def start(agent: Agent, namespace: str, ranks: Sequence[int],
             agent.count_prefetch(-1)
             job.finished = time.time()
             agent.last_prefetch = job.summary()
-            job.done.set()
-            if on_done is not None:
-                on_done(job)
+            try:
+                if on_done is not None:  # before ``done``: a waiter sees what the callback reported
+                    on_done(job)
+            except Exception as exc:  # a failing callback must not leave waiters hanging
+                _log.warning("[Agent %s] prefetch callback failed: %s", agent.node_id, exc)
+            finally:
+                job.done.set()
 
     threading.Thread(target=run, name="tierckpt-agent-prefetch", daemon=True).start()
     return job
