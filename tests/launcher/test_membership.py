@@ -24,7 +24,7 @@ import pytest
 from tests.launcher.cluster import LocalJob
 from tests.launcher.test_node_loss import assert_resumed_on_trajectory, steps_of
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a module fixture runs a fault-free reference first; three agents on 2 cores
 
 RANKS = (0, 1)
 STEPS = 200
