@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml requirements-dev.txt re
 demo: $(STAMP)
 	$(BIN)/tierckpt demo
 
-# make test: lint and every test not marked slow (about 10 minutes on 2 cores); make test-slow: the
+# make test: lint and every test not marked slow (about 5 minutes on 2 cores); make test-slow: the
 # scenario tests (multi-process jobs, kill -9, namespaced hosts, Slurm); CI (.ci/run) runs both.
 test: $(STAMP)
 	@sh tests/cluster/install.sh  # root with apt: iproute2, slurm-wlm, munge when missing
