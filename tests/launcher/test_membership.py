@@ -12,8 +12,6 @@ each its own memory root, 1 worker each, gloo; a lost node is a SIGKILL of its w
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +20,7 @@ from typing import Any
 import pytest
 
 from tests.launcher.cluster import LocalJob
-from tests.launcher.test_node_loss import assert_resumed_on_trajectory, steps_of
+from tests.launcher.test_node_loss import assert_resumed_on_trajectory, reference_digests, steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a module fixture runs a fault-free reference first; three agents on 2 cores
 
@@ -33,22 +31,7 @@ STEPS = 200
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, dict[int, str]]]:
     """rank -> step -> parameter digest of the same training without a fault (the reference)."""
-    made: list[str] = []
-
-    def shm(tag: str) -> str:
-        made.append(tempfile.mkdtemp(prefix=f"tierckpt-run-ref-{tag}-", dir="/dev/shm"))
-        return made[-1]
-
-    job = LocalJob(tmp_path_factory.mktemp("reference"), shm, train=["--steps", str(STEPS)],
-                   run_args=["--replicas", "0"])
-    try:
-        job.start()
-        assert job.wait_exit(240) == {0: 0, 1: 0}, job.report()
-        yield {r: steps_of(job, r)[0] for r in RANKS}
-    finally:
-        job.close()
-        for path in made:
-            shutil.rmtree(path, ignore_errors=True)
+    yield from reference_digests(tmp_path_factory, STEPS, timeout=240)
 
 
 def _first_step_after(job: LocalJob, rank: int, generation: int) -> float | None:

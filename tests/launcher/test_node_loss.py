@@ -33,17 +33,23 @@ STEPS = 60
 @pytest.fixture(scope="module")
 def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, dict[int, str]]]:
     """rank -> step -> parameter digest of the same training without a fault (the reference)."""
+    yield from reference_digests(tmp_path_factory, STEPS, timeout=180)
+
+
+def reference_digests(tmp_path_factory: pytest.TempPathFactory, steps: int, *,
+                      timeout: float) -> Iterator[dict[int, dict[int, str]]]:
+    """The demo trained ``steps`` steps on 2 nodes without a fault: rank -> step -> parameter digest."""
     made: list[str] = []
 
     def shm(tag: str) -> str:
         made.append(tempfile.mkdtemp(prefix=f"tierckpt-run-ref-{tag}-", dir="/dev/shm"))
         return made[-1]
 
-    job = LocalJob(tmp_path_factory.mktemp("reference"), shm, train=["--steps", str(STEPS)],
+    job = LocalJob(tmp_path_factory.mktemp("reference"), shm, train=["--steps", str(steps)],
                    run_args=["--replicas", "0"])
     try:
         job.start()
-        assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
+        assert job.wait_exit(timeout) == {0: 0, 1: 0}, job.report()
         yield {r: steps_of(job, r)[0] for r in RANKS}
     finally:
         job.close()
