@@ -270,16 +270,17 @@ def test_active_deadline_fails_the_job(make_job: Callable[..., LocalJob], tmp_pa
         logPattern: ".*Loss:.*"
         expectedStartCutOffInSeconds: 120
 """
-    job = make_job(train=["--steps", "100000"], job_file=_job_yaml(tmp_path, rules, "    activeDeadlineSeconds: 12\n"))
+    # 30 s: the first start hands the ranks to standbys still importing torch (12 s here under load)
+    job = make_job(train=["--steps", "100000"], job_file=_job_yaml(tmp_path, rules, "    activeDeadlineSeconds: 30\n"))
     job.start()
-    assert job.wait_exit(90) == {0: 1, 1: 1}, job.report()
+    assert job.wait_exit(120) == {0: 1, 1: 1}, job.report()
     for node in range(2):
         ev = job.events(node)
         fault = next(e for e in ev if e["event"] == "fault")
         assert fault["reason"] == "ActiveDeadline" and fault["generation"] == 0
         assert ev[-1]["event"] == "exit" and ev[-1]["why"] == "activeDeadlineSeconds exceeded"
         assert not [e for e in ev if e["event"] == "restart"]
-    assert all(job.last_step(r) >= 1 for r in RANKS)  # it trained until the deadline
+    assert all(job.last_step(r) >= 1 for r in RANKS), job.report()  # it trained until the deadline
 
 
 def test_startup_deadline_fails_the_job(make_job: Callable[..., LocalJob], tmp_path: Path) -> None:
