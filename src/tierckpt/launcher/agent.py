@@ -697,15 +697,11 @@ class TierckptAgent(LocalElasticAgent):
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
         self.ctl.stopped(g)
         claims = [_fault_of(r) for r in self.ctl.history(g)]
-        history = self._history = restart_history(claims)  # a node that arrived costs no restart
-        prior = prior_restarts(claims, self._changes_before)
-        self._changes = len(claims) - len(history)
+        self._count(claims)
+        self._changes = len(claims) - len(self._history)
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
-            if fault.get("reason") == MEMBERSHIP_CHANGE else \
-            self.opts.escalation.decide(history, full_restarts=self.full_restarts, prior_restarts=prior,
-                                        seed=zlib.crc32(f"{wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
-        self._restarts = prior + len(history)
-        all_here = fault.get("reason") not in ("LostNode", "MembershipChange", "LostStore") and \
+            if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)
+        all_here = fault.get("reason") not in ("LostNode", MEMBERSHIP_CHANGE, "LostStore") and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
         # after the stop barrier every node's mark for g is in: all compute the same bound
         self.resume_before = resume.advance(self.resume_before, fault,
@@ -744,10 +740,20 @@ class TierckptAgent(LocalElasticAgent):
             return record
         g = self.generation
         claims = [_fault_of(r) for r in self.ctl.history(g - 1)] + [_fault_of(record)]
-        decision = self.opts.escalation.decide(restart_history(claims), full_restarts=self.full_restarts,
-                                               prior_restarts=prior_restarts(claims, self._changes_before),
-                                               seed=zlib.crc32(f"{self._worker_group.spec.rdzv_handler.get_run_id()}:{g}".encode()))
-        return tag(record, replaceable=True, decision=decision)
+        return tag(record, replaceable=True, decision=self._decide(claims, g))
+
+    def _decide(self, claims: list[Fault], g: int) -> Decision:
+        """The escalation decision on the claims up to generation ``g`` (membership changes cost
+        no restart); the same on every node: same history, same seed."""
+        return self.opts.escalation.decide(
+            restart_history(claims), full_restarts=self.full_restarts,
+            prior_restarts=prior_restarts(claims, self._changes_before),
+            seed=zlib.crc32(f"{self._worker_group.spec.rdzv_handler.get_run_id()}:{g}".encode()))
+
+    def _count(self, claims: list[Fault]) -> None:
+        """The restart history and the restarts in all as of ``claims`` (kept in the state file)."""
+        self._history = restart_history(claims)
+        self._restarts = prior_restarts(claims, self._changes_before) + len(self._history)
 
     def _replace_alone(self, fault: dict[str, Any], g: int, t_detect: float) -> bool:
         """This node's worker died under the wrapper: one replacement process joins the survivors'
@@ -757,9 +763,7 @@ class TierckptAgent(LocalElasticAgent):
         if fault.get("kind") != REPLACE or fault.get("node") != self.node or lr is None or \
                 not isinstance(ctx, WarmSubprocessContext):
             return False
-        claims = [_fault_of(r) for r in self.ctl.history(g)]
-        self._history = restart_history(claims)
-        self._restarts = prior_restarts(claims, self._changes_before) + len(self._history)
+        self._count([_fault_of(r) for r in self.ctl.history(g)])
         if float(fault.get("delay_s") or 0.0) > 0:
             self.events.emit("backoff", generation=g, delay_s=round(float(fault["delay_s"]), 3), why=fault.get("why"))
             time.sleep(float(fault["delay_s"]))

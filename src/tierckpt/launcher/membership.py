@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher.escalation import Fault
+from tierckpt.launcher.escalation import Fault, restarts_before
 
 __all__ = ["MEMBERSHIP_CHANGE", "Change", "Elastic", "Shrink", "missing_nodes", "prior_restarts", "restart_history",
            "shrink"]
@@ -147,4 +147,4 @@ def prior_restarts(history: Sequence[Fault], membership_changes_before: int = 0)
     generation counts restarts *and* earlier membership changes; ``membership_changes_before``
     (kept in the restart-state file, agreed in the store) takes the latter out.
     """
-    return max(0, (history[0].generation if history else 0) - membership_changes_before)
+    return max(0, restarts_before(history) - membership_changes_before)
