@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
-__all__ = ["RendezvousProgress", "joined", "where"]
+__all__ = ["RendezvousProgress", "WhileBlocked", "joined", "where"]
 
 
 def joined(handler: Any) -> tuple[int | None, int | None]:
@@ -42,8 +42,37 @@ def where(handler: Any, fallback: str) -> str:
     return f"{host}:{port}" if host and port else fallback
 
 
-class RendezvousProgress:
+_W = TypeVar("_W", bound="WhileBlocked")
+
+
+class WhileBlocked:
+    """A daemon thread running ``_run`` while a ``with`` block (torch's blocking rendezvous) runs;
+    ``_run`` polls ``self._done`` and returns when it is set. Subclasses set ``thread_name``."""
+
+    thread_name = "tierckpt-rdzv-watch"
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _W) -> _W:
+        self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
+
+
+class RendezvousProgress(WhileBlocked):
     """Prints rendezvous progress while the ``with`` block runs; see the module doc."""
+
+    thread_name = "tierckpt-rdzv-progress"
 
     def __init__(self, handler: Any, endpoint: str, *, first_after_s: float = 2.0, every_s: float = 5.0,
                  out: TextIO | None = None) -> None:
@@ -52,8 +81,7 @@ class RendezvousProgress:
         self.first_after_s = first_after_s
         self.every_s = every_s
         self.out = out if out is not None else sys.stderr
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def line(self) -> str:
         count, needed = joined(self.handler)
@@ -70,13 +98,3 @@ class RendezvousProgress:
             except (OSError, ValueError):  # the stream closed under us: stop quietly
                 return
             wait = self.every_s
-
-    def __enter__(self) -> RendezvousProgress:
-        self._thread = threading.Thread(target=self._run, name="tierckpt-rdzv-progress", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)

@@ -37,12 +37,12 @@ Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from tierckpt.launcher.membership import Change
+from tierckpt.launcher.rdzvwait import WhileBlocked
 
 __all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "open_seats", "publish_nodes", "report_round",
            "spares_waiting", "standing_by"]
@@ -151,17 +151,18 @@ def standing_by(handler: Any) -> int | None:
         return None
 
 
-class SpareWatch:
+class SpareWatch(WhileBlocked):
     """Watches torch's rendezvous state while a round blocks; calls ``on_standby(job_nodes)`` once,
     from its own thread, when this agent is first found in the redundancy list."""
+
+    thread_name = "tierckpt-spare-watch"
 
     def __init__(self, handler: Any, on_standby: Callable[[int], None], *, every_s: float = 0.25) -> None:
         self.handler = handler
         self.on_standby = on_standby
         self.every_s = every_s
         self.since: float | None = None  # time.time() when first seen standing by
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        super().__init__()
 
     def _run(self) -> None:
         while not self._done.wait(self.every_s):
@@ -173,16 +174,6 @@ class SpareWatch:
                 except Exception:  # noqa: BLE001 - a report must not break the rendezvous
                     pass
                 return
-
-    def __enter__(self) -> SpareWatch:
-        self._thread = threading.Thread(target=self._run, name="tierckpt-spare-watch", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join(timeout=1.0)
 
 
 def report_round(events: Any, generation: int, change: Change, *, node: int, spare_since: float | None,
