@@ -102,7 +102,8 @@ def test_torchs_file_timer_watchdog_kills_a_stuck_worker(tmp_path: Path) -> None
     events = tmp_path / "ev.jsonl"
     env = dict(os.environ, TORCHELASTIC_ENABLE_FILE_TIMER="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-m", "tierckpt.cli", "run", "--standalone", "--nproc-per-node=1",
-                           "--max-restarts=0", "--monitor-interval=0.1", f"--events={events}", str(script)],
+                           "--max-restarts=0", "--monitor-interval=0.1", f"--events={events}",
+                           f"--memory-dir={tmp_path / 'shm'}", str(script)],  # not the shared /dev/shm/tierckpt
                           env=env, capture_output=True, text=True, timeout=120, start_new_session=True)
     # torchrun's own server SIGKILLs the agent too (rc -9): here the agent lives and decides
     assert proc.returncode == 1, proc.stdout + proc.stderr
