@@ -4,6 +4,7 @@ and no simulation or store process is left. Timings are not judged here (the box
 from __future__ import annotations
 
 import multiprocessing
+import os
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,74 @@ def test_plot_writes_a_png_with_every_line(tmp_path: Path) -> None:
     img = mpimg.imread(png)
     assert img.shape[:2] == (400, 700)
     assert float(img[..., :3].std()) > 0.05  # not a blank canvas: axes, lines and the legend are drawn
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process whose parent chain reaches ``pid`` (from /proc; reparented orphans are
+    found by the session id instead, see the caller)."""
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = set(), [pid]
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            out.add(k)
+            todo.append(k)
+    return out
+
+
+def _in_session(sid: int) -> set[int]:
+    out = set()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(") ", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+                out.add(int(d.name))
+    return out
+
+
+@pytest.mark.slow  # a bench process with its simulation processes: ~15 s per signal
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_signalled_bench_leaves_no_simulation_process(sig: str) -> None:
+    """Killing ``tierckpt bench scale`` (SIGTERM: a job's end, Ctrl-C's kin; SIGKILL: an OOM kill) ends
+    its store server and simulation processes too. Before the fix SIGTERM left them all running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "tierckpt", "bench", "scale", "--nodes", "8", "--procs", "2",
+                             "--no-torch", "--window", "600"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # its own session: orphans stay findable
+    try:
+        deadline = time.monotonic() + 120
+        while len(_descendants(proc.pid)) < 3 and time.monotonic() < deadline:  # store + 2 simulation processes
+            time.sleep(0.2)
+        assert len(_descendants(proc.pid)) >= 3, "the bench never started its processes"
+        time.sleep(2)  # inside the 600 s window: the simulated agents are beating
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _in_session(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {p: Path(f"/proc/{p}/cmdline").read_bytes()[:160] for p in _in_session(proc.pid)}
+        assert not left, f"left after {sig}: {left}"
+    finally:
+        for pid in _in_session(proc.pid):  # ours: this session was made by this test
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -30,7 +31,8 @@ from tierckpt.bench.scale_sim import BenchError
 
 __all__ = ["main"]
 
-_SERVER = ("import datetime, sys, torch.distributed as d\n"
+_SERVER = ("import ctypes, datetime, signal, sys, torch.distributed as d\n"
+           "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: goes with the bench, even a SIGKILLed one\n"
            "s = d.TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False, use_libuv={libuv},\n"
            "               timeout=datetime.timedelta(seconds=600))\n"
            "print(s.port, flush=True)\nsys.stdin.read()\n")
@@ -45,6 +47,12 @@ class _Host:
         if self.proc.stdout is None:
             raise BenchError("the simulator process has no stdout pipe")
         self.port = int(self.proc.stdout.readline())
+
+    def __enter__(self) -> _Host:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def cpu(self) -> float:
         with open(f"/proc/{self.proc.pid}/stat") as f:
@@ -80,6 +88,12 @@ class _Sims:
             self.pipes.append(parent)
             self.procs.append(p)
 
+    def __enter__(self) -> _Sims:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def ask(self, msgs: list[Any], timeout: float) -> list[Any] | None:
         """Send one message to each process; their replies, or None past ``timeout``."""
         for pipe, msg in zip(self.pipes, msgs, strict=True):
@@ -114,10 +128,8 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
     from tierckpt.launcher.control import JobControl, connect_client
 
     settings = {"interval_s": a.interval, "node_timeout_s": a.node_timeout, "store_timeout_s": 600.0}
-    host = _Host(a.libuv)
-    sims = _Sims(host.port, n, a.procs)
     out: dict[str, Any] = {}
-    try:
+    with _Host(a.libuv) as host, _Sims(host.port, n, a.procs) as sims:
         if sims.ask([("ours", share, n, settings) for share in sims.shares], timeout=600) is None:
             raise TimeoutError(f"{n} simulated agents did not connect within 600 s")
         sims.all(("start",), 60)
@@ -156,9 +168,6 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
         if got is not None and rec is not None and len(got) == n - 1:
             out["detect_s"] = float(rec["time"]) - t_dead
             out["rerdzv_s"] = max(d for _, _, d in got) - float(rec["time"])
-    finally:
-        sims.close()
-        host.close()
     return out
 
 
@@ -185,10 +194,8 @@ def _gather(sims: _Sims, timeout: float) -> list[tuple[int, float, float]] | Non
 def _torch(n: int, a: argparse.Namespace) -> dict[str, Any]:
     conf = dict(kv.split("=", 1) for kv in a.torch_conf.split(",") if "=" in kv)
     settings = {"store_timeout_s": 600.0, "torch_conf": conf}
-    host = _Host(a.libuv)
-    sims = _Sims(host.port, n, a.procs)
     out: dict[str, Any] = {}
-    try:
+    with _Host(a.libuv) as host, _Sims(host.port, n, a.procs) as sims:
         if sims.ask([("torch", share, n, settings) for share in sims.shares], timeout=600) is None:
             raise TimeoutError(f"{n} simulated torch agents did not connect within 600 s")
         t0 = time.time()
@@ -209,9 +216,6 @@ def _torch(n: int, a: argparse.Namespace) -> dict[str, Any]:
         out["rerdzv_ops_per_s"] = sum(x["ops"] for x in again) / max(t1 - t0, 1e-9)
         out["host_cpu"] = (host.cpu() - cpu0) / max(t1 - t0, 1e-9)
         out["world"] = sorted({w for x in again for _, _, w in x["done"]})
-    finally:
-        sims.close()
-        host.close()
     return out
 
 
@@ -323,6 +327,21 @@ def main(argv: list[str]) -> int:
                    help="libuv store server (torch's default; accepts a client every ~150 ms on some boxes)")
     p.add_argument("--plot", metavar="PNG", help="plot the times per N (needs matplotlib)")
     a = p.parse_args(argv)
+    before = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(a)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _exit_on(signum: int, _frame: object) -> None:
+    """SIGTERM/SIGHUP unwind like Ctrl-C: every ``with`` above closes its store and simulation
+    processes (which also die with the bench by PDEATHSIG if it is SIGKILLed)."""
+    raise SystemExit(128 + signum)
+
+
+def _run(a: argparse.Namespace) -> int:
     ns = [int(x) for x in a.nodes.split(",") if x]
     print(f"bench scale: nodes {ns}, {a.procs} processes, liveness {a.interval:g} s, node timeout "
           f"{a.node_timeout:g} s; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} "

@@ -15,8 +15,11 @@ pipe to each process, every process alike):
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import multiprocessing
 import os
+import signal
 import threading
 import time
 from multiprocessing.connection import Connection
@@ -164,12 +167,19 @@ def _answer(conn: Connection, lock: threading.Lock, fn: Any, *args: Any) -> None
 
 def serve(conn: Connection, port: int, connect_lock: Any) -> None:
     """A simulation process's loop (multiprocessing target); see the module docstring."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the bench, even a SIGKILLed one
+    bench = multiprocessing.parent_process()
+    if bench is not None and os.getppid() != bench.pid:  # it died while this one imported: no signal will come
+        os._exit(0)
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as tierckpt run sets it
     ours: _Ours | None = None
     torch_: _Torch | None = None
     lock = threading.Lock()
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the bench is gone (died before the prctl above took effect): so are we
+            os._exit(0)
         op = msg[0]
         if op == "ours":
             ours = _Ours(port, msg[1], msg[2], msg[3], connect_lock)
