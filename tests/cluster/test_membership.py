@@ -192,3 +192,53 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
     print(f"\nelastic on hosts: kill of {h1.name} -> rank 0 training alone {alone:.2f}s (regroup, resumed step "
           f"{resumed['step']}, was at {at_kill}); {h2.name} started -> both ranks training "
           f"{both_back - t_arrive:.2f}s (resumed step {both[0]['step']}, rank 1 tiers {both[1]['tiers']})")
+
+
+def test_partitioned_host_is_replaced_by_the_spare_and_stays_out_when_its_link_returns(
+        cluster: Cluster, tmp_path: Any) -> None:
+    """``--nnodes 2:2`` on h0 + h1 with a spare h2; h1's link goes down (a partition: its processes
+    and memory stay); the spare takes rank 1; h1's link comes back: h1 must not disturb the job
+    that replaced it (no new round, no second restart), and the job ends with exit 0."""
+    steps = 200
+    h0, h1 = cluster.add_host(), cluster.add_host()
+    job = HostJob(cluster, tmp_path / "job", nnodes="2:2", train=["--steps", str(steps), "--step-time", "0.3"],
+                  run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
+    job.start([h0, h1])
+    job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(h.name)) for h in (h0, h1)), 180,
+                 "h0 and h1 form the job")
+    h2 = cluster.add_host()
+    job.start_node(h2, 2)
+    job.wait_for(lambda: any(e["event"] == "spare" and e["state"] == "warm" for e in job.events(h2.name)), 180,
+                 "the spare stands by, warm")
+    job.wait_for(lambda: _newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
+    t_cut = time.time()
+    h1.link(up=False)
+    joined = job.wait_for(lambda: next((e for e in job.events(h2.name) if e["event"] == "spare"
+                                        and e["state"] == "joined"), None), 120, "the spare joins")
+    assert joined["node"] == 1 and joined["replaced"] == f"{h1.name}:{MEMORY}", joined
+    gen = int(joined["generation"])
+    for r in RANKS:
+        job.wait_for(lambda r=r: _first_step_after(job, r, gen), 120, f"rank {r} trains in generation {gen}")
+    back = max(_first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_cut
+    t_heal = time.time()
+    h1.link(up=True)
+    # h1 finds itself counted lost: it stands by as a spare (the gate), disturbing nothing
+    rejoin = job.wait_for(lambda: next((e for e in job.events(h1.name) if e["event"] == "spare"
+                                        and e["time"] > t_heal), None), 120, "h1 stands by again")
+    assert rejoin["state"] == "standby" and rejoin["job_nodes"] == 2, rejoin
+    step_then = min(job.last_step(r, generation=gen) for r in RANKS)
+    if step_then < steps - 10:
+        job.wait_for(lambda: min(job.last_step(r, generation=gen) for r in RANKS) >= step_then + 10, 90,
+                     "10 more steps with h1 back")
+    # the job ends without h1; h1's launcher leaves the gate with exit 0 (before: it went straight
+    # into torch's round, sat in its redundancy list and died with RendezvousClosedError, exit 1)
+    codes = job.wait_exit(300, [h0.name, h2.name, h1.name])
+    assert codes == {h0.name: 0, h2.name: 0, h1.name: 0}, job.report()
+    survivors = [e for e in job.events(h0.name) + job.events(h2.name) if e["event"] in ("fault", "restart",
+                                                                                         "membership")]
+    assert {e["generation"] for e in survivors} <= {gen - 1, gen}, job.report()  # one fault, one restart
+    assert all(job.last_step(r, generation=gen) == steps for r in RANKS)
+    assert not [e for r in RANKS for e in job.trace(r) if e["generation"] > gen], "a round after the replacement"
+    print(f"\npartition: {h1.name}'s link down -> {h2.name} joined {joined['time'] - t_cut:.2f}s, both ranks "
+          f"training {back:.2f}s; link up -> {h1.name} standing by as a spare {rejoin['time'] - t_heal:.2f}s later; "
+          f"its exit: {[e.get('why') for e in job.events(h1.name) if e['event'] == 'exit']}")

@@ -625,9 +625,7 @@ class TierckptAgent(LocalElasticAgent):
         try:
             self._join()
         except JobEnded as exc:  # a spare that was never needed
-            self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
-            wg.workers = []  # none was ever assigned a rank (torch's run() reports each worker)
-            return RunResult(state=WorkerState.SUCCEEDED)
+            return self._ended(exc)
         if self.opts.agent_across_hosts and self._node_agent is None:
             self._host_agent()  # its secret comes from the rendezvous store
         self._prefetch()
@@ -666,6 +664,12 @@ class TierckptAgent(LocalElasticAgent):
             outcome = self._recover(claimed)
             if outcome is not None:
                 return outcome
+
+    def _ended(self, exc: JobEnded) -> RunResult:
+        """A spare (or an evicted node standing by again) that the job finished without: exit 0."""
+        self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
+        self._worker_group.workers = []  # none holds a rank now (torch's run() reports each worker)
+        return RunResult(state=WorkerState.SUCCEEDED)
 
     def _start_workers_logged(self, wg: WorkerGroup) -> None:
         ids = self._start_workers(wg)
@@ -722,8 +726,16 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
             open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
             self._save_state(g + 1, self.full_restarts)
-            if not self._regroup(fault, g):
-                self._join()
+            if fault.get("reason") == "LostNode" and self.node in (fault.get("lost") or [fault.get("node")]):
+                # the others counted this node lost (a partition that healed): they went on without
+                # it, a spare may hold its rank; it comes back as a newcomer, through the spare gate,
+                # not straight into torch's round (whose redundancy list is unsafe, spares.py)
+                self._held_rank = None
+            try:
+                if not self._regroup(fault, g):
+                    self._join()
+            except JobEnded as exc:  # it stood by as a spare until the job finished without it
+                return self._ended(exc)
             self.generation = max(self.generation, g + 1)
             self._prefetch()
             self._start_workers_logged(wg)
