@@ -293,3 +293,18 @@ def test_status_and_metrics_show_steps_replicas_budget_and_lags(node_dir, agent,
     assert main(parser.parse_args(["status", "--memory-dir", a_dir])) == 0
     out = capsys.readouterr().out
     assert f"{NS}: steps [1, 2]; replicas: step 2 on node-b; drain lag 0 steps (newest durable 2)" in out
+
+
+def test_discovered_peers_replace_the_ones_discovered_before(node_dir, agent) -> None:
+    """``set_peers`` (``tierckpt run``'s discovery) keeps the configured ``--peers`` and replaces
+    the discovered ones: a node that left the job leaves the list (a lost host drops connections,
+    so a peer left there costs each load its whole deadline until a refresh marks it down)."""
+    configured = ("10.255.0.1", 7601)
+    a = agent(memory_dir=node_dir("a"), node_id="node-a", peers=(configured,), secret=SECRET)
+    lost, spare = ("10.255.0.2", 7601), ("10.255.0.3", 7601)
+    a.set_peers([lost, a.address])  # its own address is never a peer
+    assert a._agent.config.peers == (configured, lost)
+    a.set_peers([spare])
+    assert a._agent.config.peers == (configured, spare)
+    a.set_peers([])
+    assert a._agent.config.peers == (configured,)

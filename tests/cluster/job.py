@@ -42,14 +42,14 @@ def host_env(**extra: str) -> dict[str, str]:
 
 
 class HostJob:
-    def __init__(self, cluster: Cluster, tmp: Path, *, nnodes: int = 2, train: Sequence[str] = (),
+    def __init__(self, cluster: Cluster, tmp: Path, *, nnodes: int | str = 2, train: Sequence[str] = (),
                  run_args: Sequence[str] = (), durable: str | None = None, node_timeout: float = 3.0,
                  max_restarts: int = 3) -> None:
         self.cluster = cluster
         self.tmp = tmp
         self.work = tmp / "work"
         self.work.mkdir(parents=True, exist_ok=True)
-        self.nnodes = nnodes
+        self.nnodes = nnodes  # ``--nnodes`` as passed: N, or MIN:MAX (elastic, hot spares)
         self.train = list(train)
         self.run_args = list(run_args)
         self.durable = durable
@@ -71,6 +71,11 @@ class HostJob:
         if self.durable is not None:
             cmd.append(f"--durable-url={self.durable}")
         return [*cmd, "-m", "tierckpt.demo.resilient", "--workdir", str(self.work), *self.train]
+
+    def state(self, host: Host) -> dict[str, Any]:
+        """The restart-state file ``host``'s launcher keeps beside its memory tier (launcher/state.py)."""
+        path = f"/dev/shm/tierckpt/.tierckpt-run/{self.rdzv_id}.json"
+        return dict(json.loads(host.run(["cat", path]).stdout))
 
     def events_path(self, name: str) -> Path:
         return self.tmp / f"events-{name}.jsonl"

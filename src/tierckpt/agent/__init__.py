@@ -59,7 +59,8 @@ class AgentHandle:
         return flush(self._agent, namespace)
 
     def set_peers(self, peers: Sequence[tuple[str, int]]) -> None:
-        """Add peers found at run time (the rendezvous store under ``tierckpt run``) to ``--peers``."""
+        """Peers found at run time (the rendezvous store under ``tierckpt run``): ``--peers`` plus
+        these, replacing the ones a previous call gave (a node that left the job leaves the list)."""
         self._agent.set_peers(peers)
 
     def prefetch(self, namespace: str, ranks: Sequence[int],

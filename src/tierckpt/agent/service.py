@@ -80,6 +80,7 @@ class Agent:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._peers_checked = 0.0
+        self._configured_peers = config.peers  # --peers; set_peers replaces only the discovered ones
         self.drain_state: dict[str, Any] = {}
         self.drain_lag: dict[str, dict[str, Any]] = {}
         self._drain_checked = float("-inf")
@@ -155,13 +156,17 @@ class Agent:
 
     def set_peers(self, discovered: Sequence[tuple[str, int]]) -> None:
         """Peers found at run time (``tierckpt run`` publishes every hosted agent's address in the
-        rendezvous store): added to the configured ``--peers``; the next round contacts them."""
+        rendezvous store): the configured ``--peers`` plus these, replacing the ones discovered
+        before. A node that left the job leaves the list with the next call: a lost host drops
+        connections instead of refusing them, and each load's catalog would otherwise wait the
+        whole ``peer_deadline_s`` for it until the next refresh marked it down."""
         own = {self.address, ("127.0.0.1", self.address[1])}
         with self._lock:
-            merged = tuple(dict.fromkeys((*self.config.peers, *(a for a in discovered if a not in own))))
+            merged = tuple(dict.fromkeys((*self._configured_peers, *(a for a in discovered if a not in own))))
             if merged == self.config.peers:
                 return
             self.config = replace(self.config, peers=merged)
+            self.peers_down &= set(merged)
             self._peers_checked = 0.0
         self._wake.set()
 

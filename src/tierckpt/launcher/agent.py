@@ -112,6 +112,7 @@ class TierckptAgent(LocalElasticAgent):
         self._node_agent: Any = None
         self._peers_next = 0.0  # when to look for other nodes' agents in the store next
         self._peers_published: tuple[int, int] | None = None  # (node, nnodes) last published
+        self._membership = 0  # the generation the current membership formed in (peer discovery's key)
         self._pool: StandbyPool | None = None
         self.warm_ranks: list[int] = []
         self._died_seen = 0
@@ -216,6 +217,7 @@ class TierckptAgent(LocalElasticAgent):
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
+        self._membership = self.generation  # in-place restarts keep it: the addresses stay valid
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
         self._arrivals_seen = arrivals(job_store)
@@ -578,11 +580,12 @@ class TierckptAgent(LocalElasticAgent):
         self.events.emit("agent", generation=self.generation, address=list(self._node_agent.address),
                          node_id=self._node_agent.node_id, replicas=cfg.replicas)
 
-    def _discover_peers(self) -> None:
+    def _discover_peers(self, wait_s: float = 0.0) -> None:
         """Publish the hosted node agent's address in the rendezvous store and hand it the others'.
 
         Rate-limited to once a second until every node's agent is known (again after a new
         membership), so ``--replicas`` needs no ``--peers`` list under ``tierckpt run``.
+        ``wait_s``: right after a round (``_prefetch``), wait that long for the others' addresses.
         """
         agent, ctl = self._node_agent, self._ctl
         if agent is None or ctl is None or time.monotonic() < self._peers_next:
@@ -594,9 +597,9 @@ class TierckptAgent(LocalElasticAgent):
             host = wg.spec.local_addr or _local_address(str(wg.master_addr))
         try:
             if self._peers_published != (self.node, self.nnodes):
-                ctl.publish_agent(self.node, host, port)
+                ctl.publish_agent(self._membership, self.node, host, port)
                 self._peers_published = (self.node, self.nnodes)
-            found = [a for a in ctl.agents(self.nnodes) if a != (host, port)]
+            found = [a for a in ctl.agents(self._membership, self.nnodes, wait_s) if a != (host, port)]
         except _store_errors():
             return  # the store's host is gone: the liveness check reports it
         if len(found) >= self.nnodes - 1:
@@ -607,7 +610,7 @@ class TierckptAgent(LocalElasticAgent):
         """Right after a rendezvous, before the workers start: the hosted agent pulls this node's
         ranks' newest state from peers if its memory lacks it (a replacement; launcher/prefetch.py)."""
         if self._node_agent is not None:
-            self._discover_peers()
+            self._discover_peers(wait_s=min(5.0, self.opts.node_timeout_s))  # the peers of the new membership
             from tierckpt.launcher import prefetch
 
             prefetch.start(self._node_agent, self.opts.namespace, [w.global_rank for w in self._worker_group.workers],
@@ -622,9 +625,7 @@ class TierckptAgent(LocalElasticAgent):
         try:
             self._join()
         except JobEnded as exc:  # a spare that was never needed
-            self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
-            wg.workers = []  # none was ever assigned a rank (torch's run() reports each worker)
-            return RunResult(state=WorkerState.SUCCEEDED)
+            return self._ended(exc)
         if self.opts.agent_across_hosts and self._node_agent is None:
             self._host_agent()  # its secret comes from the rendezvous store
         self._prefetch()
@@ -663,6 +664,12 @@ class TierckptAgent(LocalElasticAgent):
             outcome = self._recover(claimed)
             if outcome is not None:
                 return outcome
+
+    def _ended(self, exc: JobEnded) -> RunResult:
+        """A spare (or an evicted node standing by again) that the job finished without: exit 0."""
+        self.events.emit("exit", generation=self.generation, code=0, why=str(exc))
+        self._worker_group.workers = []  # none holds a rank now (torch's run() reports each worker)
+        return RunResult(state=WorkerState.SUCCEEDED)
 
     def _start_workers_logged(self, wg: WorkerGroup) -> None:
         ids = self._start_workers(wg)
@@ -719,8 +726,16 @@ class TierckptAgent(LocalElasticAgent):
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
             open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
             self._save_state(g + 1, self.full_restarts)
-            if not self._regroup(fault, g):
-                self._join()
+            if fault.get("reason") == "LostNode" and self.node in (fault.get("lost") or [fault.get("node")]):
+                # the others counted this node lost (a partition that healed): they went on without
+                # it, a spare may hold its rank; it comes back as a newcomer, through the spare gate,
+                # not straight into torch's round (whose redundancy list is unsafe, spares.py)
+                self._held_rank = None
+            try:
+                if not self._regroup(fault, g):
+                    self._join()
+            except JobEnded as exc:  # it stood by as a spare until the job finished without it
+                return self._ended(exc)
             self.generation = max(self.generation, g + 1)
             self._prefetch()
             self._start_workers_logged(wg)

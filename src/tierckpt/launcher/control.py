@@ -156,15 +156,26 @@ class JobControl:
 
         return bytes(self.store.compare_set(f"{_P}agent-secret", "", secrets.token_hex(32)))
 
-    def publish_agent(self, node: int, host: str, port: int) -> None:
-        """This node's hosted node agent listens on ``host:port`` (peer discovery)."""
-        self.store.set(f"{_P}agent/{node}", f"{host}:{port}".encode())
+    def publish_agent(self, membership: int, node: int, host: str, port: int) -> None:
+        """This node's hosted node agent listens on ``host:port`` (peer discovery), as node ``node``
+        of the membership that formed in generation ``membership`` (a round's or a regroup's)."""
+        self.store.set(f"{_P}agent/{membership}/{node}", f"{host}:{port}".encode())
 
-    def agents(self, nnodes: int) -> list[tuple[str, int]]:
-        """The node agents published so far by nodes ``0 .. nnodes-1`` (never blocks)."""
+    def agents(self, membership: int, nnodes: int, wait_s: float = 0.0) -> list[tuple[str, int]]:
+        """The node agents published so far by nodes ``0 .. nnodes-1`` of the membership formed in
+        generation ``membership``, after waiting up to ``wait_s`` for all of them (0: never blocks;
+        right after a round every node publishes at once, so a wait is short). Keyed by membership, not by node alone: after a
+        lost node the survivors would otherwise read its address under its old node number until
+        the node that took it published, and keep it (seen on namespaced hosts, where a lost
+        host's address drops connections for the agent's whole peer deadline)."""
+        keys = [f"{_P}agent/{membership}/{node}" for node in range(nnodes)]
+        if wait_s > 0:
+            try:
+                self.store.wait(keys, datetime.timedelta(seconds=wait_s))
+            except _timeout_error():
+                pass  # a node without a hosted agent: go on with those found
         found = []
-        for node in range(nnodes):
-            key = f"{_P}agent/{node}"
+        for key in keys:
             if self.store.check([key]):
                 host, _, port = self.store.get(key).decode().rpartition(":")
                 found.append((host, int(port)))

@@ -50,3 +50,19 @@ def test_every_agent_of_a_job_reads_the_same_generated_secret() -> None:
     assert len(secret) == 64 and int(secret, 16) > 0  # 32 random bytes, hex
     other = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
     assert JobControl(other).job_secret() != secret  # per job (per rendezvous store)
+
+
+def test_a_new_membership_never_reads_a_lost_nodes_agent_address() -> None:
+    """Peer discovery is keyed by the generation the membership formed in: after node 1 was lost,
+    the survivor reads no address for node 1 until the node that took its place published one
+    (the lost host's address, read under node 1, would stay in its agent's peer list)."""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=10))
+    ctl = JobControl(server)
+    ctl.publish_agent(0, 0, "h0", 7601)
+    ctl.publish_agent(0, 1, "h1", 7601)
+    assert ctl.agents(0, 2) == [("h0", 7601), ("h1", 7601)]
+    ctl.publish_agent(3, 0, "h0", 7601)  # the survivor, in the round of generation 3
+    assert ctl.agents(3, 2) == [("h0", 7601)]  # not h1's
+    assert ctl.agents(3, 2, wait_s=0.2) == [("h0", 7601)]  # a wait that times out returns those found
+    ctl.publish_agent(3, 1, "h2", 7601)
+    assert ctl.agents(3, 2, wait_s=5.0) == [("h0", 7601), ("h2", 7601)]
