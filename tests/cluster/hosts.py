@@ -262,6 +262,8 @@ class Host:
         if self.netns in self.cluster.namespaces:
             subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
             self.cluster.namespaces.remove(self.netns)
+        if self.fault is not None:  # its rules on the bridge and its delayer go with it
+            self.fault.clear()
 
     def link(self, *, up: bool) -> None:
         """Partition (down) or heal (up) this host's link: its bridge port, so the host keeps its
