@@ -41,6 +41,10 @@ def test_lost_host_resumes_from_the_peer_replica_over_delayed_lossy_links(cluste
     for key in ("fault", "replacement up", "rank 1 interpreter", "torch imported", "process group", "resumed",
                 "first step"):
         print(f"| {key} | {clean[key]:.2f} | {bad[key]:.2f} |")
+    for what, since, until in (("process group formed (rank 1 interpreter -> process group)", "rank 1 interpreter",
+                                "process group"),
+                               ("restore from the peer (process group -> resumed)", "process group", "resumed")):
+        print(f"| {what}, s | {clean[until] - clean[since]:.2f} | {bad[until] - bad[since]:.2f} |")
     print(f"resumed step: clean {clean['step']} (replica {clean['replica_step']}), "
           f"bad {bad['step']} (replica {bad['replica_step']}); "
           f"delayer: {bad['delayer_counts']}")
