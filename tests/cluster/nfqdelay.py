@@ -1,6 +1,6 @@
 """Delay every packet of one netfilter queue by a fixed time: a userspace stand-in for ``tc netem delay``.
 
-Run by ``netfault`` inside a host's network namespace (never by hand), standard library only:
+Run by ``netfault`` in the cluster bridge's network namespace (never by hand), standard library only:
 
     python -I nfqdelay.py QUEUE_NUM DELAY_MS      # stdin: a pipe from the harness
 
@@ -13,10 +13,10 @@ to N") accepts all packets that are due. An ``iptables ... -j NFQUEUE --queue-nu
 --queue-bypass`` rule sends the packets here.
 
 It never drops: the queue is bound fail-open (a full queue or a full socket buffer lets the
-packet through undelayed), and on its way out it accepts everything it holds. It exits when
-stdin reaches end of file (the harness closed the pipe, or the harness is gone), on SIGTERM, or
-when the host is killed (it runs in the host's PID namespace). At exit it prints one JSON line of
-counts on stdout.
+packet through undelayed), a packet whose id it cannot read is covered by the next batch verdict,
+and on its way out it accepts everything it holds. It exits when stdin reaches end of file (the
+harness closed the pipe, or the harness is gone) or on SIGTERM; then ``--queue-bypass`` lets
+packets pass undelayed. At exit it prints one JSON line of counts on stdout.
 """
 
 from __future__ import annotations
