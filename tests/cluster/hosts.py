@@ -5,7 +5,7 @@
     a.run(["ping", "-c1", b.ip])             # each host: own IP, hostname, /dev/shm, /proc
     proc = b.popen(["python", "-m", "x"], env=env, stdout=log)
     b.link(up=False); b.link(up=True)        # partition and heal
-    b.shape(rate_mbit=10)                    # tbf bandwidth cap (delay/loss need netem)
+    b.shape(delay_ms=20, loss_pct=1, rate_mbit=10)   # netem, or iptables + NFQUEUE (netfault.py)
     b.kill()                                 # hardware loss: every process, its tmpfs, its IP
     c = cluster.add_host()                   # the replacement: a new name and a new IP
     cluster.close()                          # every namespace, link and process made, by name/pid
@@ -38,6 +38,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from tests.cluster import netfault
 
 HOSTINIT = Path(__file__).with_name("hostinit.py")
 SHM_SIZE = "512m"
@@ -96,6 +98,7 @@ class Cluster:
         self.hosts_file = workdir / "hosts"
         self.hosts_file.write_text("127.0.0.1 localhost\n")
         self.namespaces: list[str] = []
+        self._netem_missing: str | None = None  # "" once probed and found
         _ip("netns", "add", self.bridge_ns)
         self.namespaces.append(self.bridge_ns)
         try:
@@ -116,7 +119,21 @@ class Cluster:
         return host
 
     def netem_missing(self) -> str | None:
-        """Why ``shape(delay_ms=..., loss_pct=...)`` cannot work here (None: it can)."""
+        """Why ``tc netem`` cannot shape links here (None: it can); probed once per cluster."""
+        if self._netem_missing is None:
+            self._netem_missing = self._probe_netem() or ""
+        return self._netem_missing or None
+
+    def shaping_missing(self) -> str | None:
+        """Why ``Host.shape(delay_ms=..., loss_pct=...)`` cannot work here (None: netem or the
+        iptables/NFQUEUE fallback can)."""
+        netem = self.netem_missing()
+        if netem is None:
+            return None
+        fallback = netfault.fallback_missing(self.bridge_ns)
+        return None if fallback is None else f"{netem}; and no fallback: {fallback}"
+
+    def _probe_netem(self) -> str | None:
         probe = subprocess.run(["tc", "-n", self.bridge_ns, "qdisc", "add", "dev", "br0", "root", "netem",
                                 "delay", "1ms"], capture_output=True, text=True, timeout=30)
         if probe.returncode != 0:
@@ -163,6 +180,7 @@ class Host:
         self.procs: list[subprocess.Popen[Any]] = []
         self.pids_started: list[int] = []  # the machine's PIDs of this host's init and nsenters
         self.mnt_ns = ""
+        self.fault: netfault.LinkFault | None = None
 
     def start(self) -> None:
         c = self.cluster
@@ -244,34 +262,35 @@ class Host:
         if self.netns in self.cluster.namespaces:
             subprocess.run(["ip", "netns", "del", self.netns], capture_output=True, timeout=30)
             self.cluster.namespaces.remove(self.netns)
+        if self.fault is not None:  # its rules on the bridge and its delayer go with it
+            self.fault.clear()
 
     def link(self, *, up: bool) -> None:
         """Partition (down) or heal (up) this host's link: its bridge port, so the host keeps its
         address and sees no carrier, as when a cable or a switch port goes."""
         _ip("link", "set", self.bridge_port, "up" if up else "down", netns=self.cluster.bridge_ns)
 
-    def shape(self, *, delay_ms: float = 0, loss_pct: float = 0, rate_mbit: float | None = None) -> None:
-        """Slow link on the host's egress: netem delay/loss and/or a tbf bandwidth cap."""
-        tc = ["tc", "-n", self.netns, "qdisc"]
+    def shape(self, *, delay_ms: float = 0, loss_pct: float = 0, rate_mbit: float | None = None,
+              netem: bool | None = None) -> str:
+        """A slow or lossy link on the host's egress: delay, loss and/or a tbf bandwidth cap, by
+        ``tc netem`` where the kernel has it (``netem=None``: ask ``Cluster.netem_missing``), else
+        by iptables and a userspace NFQUEUE delayer (``netfault``). Replaces the previous shaping.
+        Returns the mechanism, e.g. ``netem+tbf`` or ``nfqueue-delay+iptables-loss+tbf``."""
         self.unshape()
-        tbf = ["tbf", "rate", f"{rate_mbit}mbit", "burst", "32kbit", "latency", "400ms"]
-        if delay_ms or loss_pct:
-            _tc([*tc, "add", "dev", "eth0", "root", "handle", "1:", "netem", "delay", f"{delay_ms}ms",
-                 "loss", f"{loss_pct}%"])
-            if rate_mbit:
-                _tc([*tc, "add", "dev", "eth0", "parent", "1:1", "handle", "10:", *tbf])
-        elif rate_mbit:
-            _tc([*tc, "add", "dev", "eth0", "root", "handle", "1:", *tbf])
+        if netem is None:
+            netem = self.cluster.netem_missing() is None
+        self.fault = netfault.LinkFault(self)
+        try:
+            return self.fault.apply(delay_ms=delay_ms, loss_pct=loss_pct, rate_mbit=rate_mbit, netem=netem)
+        except BaseException:
+            self.unshape()
+            raise
 
     def unshape(self) -> None:
-        subprocess.run(["tc", "-n", self.netns, "qdisc", "del", "dev", "eth0", "root"], capture_output=True,
-                       timeout=30)
-
-
-def _tc(cmd: list[str]) -> None:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+        """The link as it was: qdisc, iptables rules and delayer gone (idempotent)."""
+        if self.fault is None:
+            self.fault = netfault.LinkFault(self)  # a qdisc may be there without shape(): del is harmless
+        self.fault.clear()
 
 
 def wait_for(cond: Any, timeout: float, what: str, report: Any = None) -> Any:

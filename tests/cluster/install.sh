@@ -1,11 +1,12 @@
 #!/bin/sh
 # What tests/cluster needs, installed when missing and we are root with apt (quiet, idempotent):
-# iproute2 (ip, tc), util-linux (unshare, nsenter), slurm-wlm and munge. Otherwise nothing: the
-# tests skip and say what is missing.
+# iproute2 (ip, tc), util-linux (unshare, nsenter), iptables (iptables-legacy: delay and loss where
+# the kernel has no netem), slurm-wlm and munge. Otherwise nothing: the tests skip and say what is missing.
 [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || exit 0
 need=""
 { command -v ip && command -v tc; } >/dev/null 2>&1 || need="$need iproute2"
 { command -v unshare && command -v nsenter; } >/dev/null 2>&1 || need="$need util-linux"
+command -v iptables-legacy >/dev/null 2>&1 || need="$need iptables"
 { command -v slurmctld && command -v slurmd && command -v sbatch; } >/dev/null 2>&1 || need="$need slurm-wlm"
 command -v munged >/dev/null 2>&1 || need="$need munge"
 [ -n "$need" ] || exit 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from tests.cluster import netfault
 from tests.cluster.hosts import Cluster, Host, wait_for
 
 PY = sys.executable
@@ -97,17 +99,132 @@ def _echo(host: Host) -> None:
     wait_for(lambda: _reach(host, "127.0.0.1", 5001, 0.5), 30, "echo server")
 
 
-def test_netem_delay_is_measurable(cluster: Cluster) -> None:
-    a, b = cluster.add_host(), cluster.add_host()
-    missing = cluster.netem_missing()
+MECHANISMS = ("netem", "nfqueue")  # tc netem where the kernel has it; else iptables + NFQUEUE (netfault)
+
+
+def _via(cluster: Cluster, via: str) -> bool:
+    """``netem=`` for ``Host.shape`` to use ``via``; skips, saying why, where it cannot work here."""
+    missing = cluster.netem_missing() if via == "netem" else netfault.fallback_missing(cluster.bridge_ns)
     if missing:
         pytest.skip(missing)
+    return via == "netem"
+
+
+@pytest.mark.parametrize("via", MECHANISMS)
+def test_delay_is_measurable_and_unshape_restores(cluster: Cluster, via: str) -> None:
+    a, b = cluster.add_host(), cluster.add_host()
+    netem = _via(cluster, via)
     _echo(b)
     base = _rtt(a, b.ip)
-    b.shape(delay_ms=50)
+    assert b.shape(delay_ms=50, netem=netem) == ("netem" if netem else "nfqueue-delay")
     slow = _rtt(a, b.ip)
-    assert slow >= base + 0.045, (base, slow)
+    # b's replies wait 50 ms (its egress only); a late scheduler adds, nothing takes away
+    assert base + 0.045 <= slow < base + 0.5, (base, slow)
     b.unshape()
+    after = _rtt(a, b.ip)
+    assert after < 0.025, (base, slow, after)
+    if not netem:  # the delayer let every packet through, none unread
+        counts = b.fault.delayer_counts if b.fault else {}
+        assert counts["queued"] >= 5 and counts["accepted"] == counts["queued"] and not counts["unparsed"], counts
+    assert "TCKFAULT" not in _bridge_rules(cluster)
+
+
+def _bridge_rules(cluster: Cluster) -> str:
+    """The iptables rules in the bridge's namespace (where the fallback's faults act)."""
+    return subprocess.run(["nsenter", f"--net=/run/netns/{cluster.bridge_ns}", "iptables-legacy", "-w", "30", "-S"],
+                          capture_output=True, text=True, timeout=60).stdout
+
+
+def _udp_burst(src: Host, dst: Host, n: int, size: int = 64) -> dict[str, float]:
+    """``n`` numbered datagrams of ``size`` bytes from ``src`` to ``dst`` as fast as the socket
+    takes them: ``received`` (distinct), ``first_s`` (first arrival after the first send),
+    ``span_s`` (first to last arrival), ``send_errors`` (sendto failures the sender saw)."""
+    recv = ("import json,socket,time; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "s.setsockopt(socket.SOL_SOCKET, 33, 16 << 20); s.bind(('0.0.0.0', 5003)); print('listening', flush=True)\n"
+            "s.settimeout(60); seen=set(); first=last=0.0\n"
+            "while True:\n"
+            " try: d=s.recv(65536)\n"
+            " except TimeoutError: break\n"
+            " last=time.time(); first=first or last; seen.add(d[:4]); s.settimeout(3)\n"
+            "print(json.dumps({'received': len(seen), 'first': first, 'last': last}))")
+    send = (f"import json,socket,time; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); errors=0; t=time.time()\n"
+            f"for i in range({n}):\n"
+            f" try: s.sendto(i.to_bytes(4, 'big') + bytes({size - 4}), ({dst.ip!r}, 5003))\n"
+            f" except OSError: errors += 1\n"
+            f"print(json.dumps({{'start': t, 'send_errors': errors}}))")
+    sink = dst.popen([PY, "-c", recv], stdout=subprocess.PIPE, text=True)
+    assert sink.stdout is not None and sink.stdout.readline().strip() == "listening"
+    sent = json.loads(src.run([PY, "-c", send], timeout=120).stdout)
+    got = json.loads(sink.communicate(timeout=120)[0])
+    return {"received": got["received"], "first_s": got["first"] - sent["start"] if got["first"] else -1.0,
+            "span_s": got["last"] - got["first"], "send_errors": sent["send_errors"]}
+
+
+@pytest.mark.parametrize("via", MECHANISMS)
+def test_loss_is_measurable_and_unshape_restores(cluster: Cluster, via: str) -> None:
+    a, b = cluster.add_host(), cluster.add_host()
+    netem = _via(cluster, via)
+    n = 2000
+    assert a.shape(loss_pct=20, netem=netem) == ("netem" if netem else "iptables-loss")
+    lossy = _udp_burst(a, b, n)
+    # 20 % of 2000: 400 +- 18 (one standard deviation) lost; the sender is told nothing, as on a wire
+    assert 0.70 <= lossy["received"] / n <= 0.90 and lossy["send_errors"] == 0, lossy
+    a.unshape()
+    clean = _udp_burst(a, b, n)
+    assert clean["received"] == n and clean["send_errors"] == 0, clean
+
+
+def test_delay_loss_and_rate_combine(cluster: Cluster) -> None:
+    a, b = cluster.add_host(), cluster.add_host()
+    missing = cluster.shaping_missing()
+    if missing:
+        pytest.skip(missing)
+    mechanism = a.shape(delay_ms=40, loss_pct=10, rate_mbit=8)  # 1 MB/s
+    assert mechanism in ("netem+tbf", "nfqueue-delay+iptables-loss+tbf"), mechanism
+    n, size = 400, 1000  # 400 kB: within tbf's queue (400 ms at 1 MB/s), so tbf itself drops none
+    burst = _udp_burst(a, b, n, size)
+    assert 0.80 <= burst["received"] / n <= 0.97, burst  # 10 %: 40 +- 6 lost
+    assert burst["first_s"] >= 0.038, burst  # the delay (a late scheduler only adds)
+    assert burst["span_s"] >= 0.25, burst  # ~360 kB at 1 MB/s: ~0.36 s; uncapped a few ms
+    _echo(b)
+    assert _rtt(a, b.ip) >= 0.038  # TCP sees the delay too (lost segments only add)
+    a.unshape()
+    clean = _udp_burst(a, b, n, size)
+    assert clean["received"] == n and clean["first_s"] < 0.03 and clean["span_s"] < 0.2, clean
+    if a.fault is not None and a.fault.delayer_counts:
+        counts = a.fault.delayer_counts
+        assert counts["accepted"] == counts["queued"] > 0 and not counts["unparsed"], counts
+
+
+def test_the_delayer_goes_when_its_harness_does_and_packets_pass(cluster: Cluster) -> None:
+    a, b = cluster.add_host(), cluster.add_host()
+    _via(cluster, "nfqueue")
+    _echo(b)
+    b.shape(delay_ms=50, netem=False)
+    assert _rtt(a, b.ip) >= 0.045
+    assert b.fault is not None and b.fault.delayer is not None
+    delayer = b.fault.delayer
+    assert delayer.stdin is not None
+    delayer.stdin.close()  # what the harness's end does to the pipe
+    delayer.wait(timeout=30)
+    # the rule is still there, the queue has no program: --queue-bypass, not a black hole
+    assert f"-A TCKFAULT-{b.bridge_port} -j NFQUEUE" in _bridge_rules(cluster)
+    assert _rtt(a, b.ip) < 0.025
+    b.unshape()
+    assert "TCKFAULT" not in _bridge_rules(cluster)
+
+
+def test_killing_a_shaped_host_clears_its_faults(cluster: Cluster) -> None:
+    a, b = cluster.add_host(), cluster.add_host()
+    _via(cluster, "nfqueue")
+    assert b.shape(delay_ms=20, loss_pct=5, netem=False) == "nfqueue-delay+iptables-loss"
+    assert b.fault is not None and b.fault.delayer is not None
+    delayer = b.fault.delayer
+    assert f"--physdev-in {b.bridge_port}" in _bridge_rules(cluster)
+    b.kill()
+    assert delayer.poll() is not None and "TCKFAULT" not in _bridge_rules(cluster)
+    left = cluster.leftovers()
+    assert b.netns not in left and f"pid {delayer.pid}" not in left and a.netns in left, left
 
 
 def test_tbf_caps_bandwidth(cluster: Cluster) -> None:
