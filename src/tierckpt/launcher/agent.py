@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
+from tierckpt.launcher.avoid import KeepOut, RepeatOffenders, leave_round
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
@@ -53,6 +54,7 @@ from tierckpt.launcher.membership import (
     restart_history,
     shrink,
 )
+from tierckpt.launcher.offenders import OffenderPolicy
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
@@ -132,6 +134,8 @@ class TierckptAgent(LocalElasticAgent):
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
+        # repeat offenders (avoid.py): faults by node identity, in the store and the state file
+        self._avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(opts.run_policy.restart_policy))
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -142,7 +146,8 @@ class TierckptAgent(LocalElasticAgent):
                            {"next_generation": next_generation, "full_restarts": full_restarts,
                             "job_started": self._job_started, "hang": self._learn().to_dict(),
                             "restarts": self._restarts, "resume_before": self.resume_before,
-                            "membership_changes": self._changes_before + self._changes})
+                            "membership_changes": self._changes_before + self._changes,
+                            "offenses": self._avoid.remembered})
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -194,6 +199,7 @@ class TierckptAgent(LocalElasticAgent):
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
         self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
+        self._avoid.remember(job_store, st.get("offenses"))
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
 
@@ -708,18 +714,24 @@ class TierckptAgent(LocalElasticAgent):
                                             resume.passed(self.ctl.store, g, self.nnodes))
         if decision.action != Action.RESTART:
             return self._finish(decision, all_here)
+        out = self._keep_out(fault, g) if all_here else KeepOut()  # repeat offenders to do without (avoid.py)
         self._save_state(g + 1, self.full_restarts)
         if decision.delay_s > 0:
             self.events.emit("backoff", generation=g, delay_s=round(decision.delay_s, 3), why=decision.reason)
             time.sleep(decision.delay_s)
-        if all_here:
+        if all_here and not out:
             self.generation = g + 1
             self._start_workers_logged(wg)
-        else:  # a node is gone or new: torch's rendezvous waits for the membership to settle
+        else:  # a node is gone, new or kept out: torch's rendezvous waits for the membership to settle
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
-            open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
+            open_seats(self.ctl.store, g, self.node,
+                       missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)) + len(out.ranks))
             self._save_state(g + 1, self.full_restarts)
-            if not self._regroup(fault, g):
+            if self.node in out.ranks:
+                ended = self._stand_aside(g)
+                if ended is not None:
+                    return ended
+            elif out or not self._regroup(fault, g):
                 self._join()
             self.generation = max(self.generation, g + 1)
             self._prefetch()
@@ -731,6 +743,29 @@ class TierckptAgent(LocalElasticAgent):
         self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
                          why=decision.reason, handover_s=round(handover, 3), resume_before=self.resume_before,
                          pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
+        return None
+
+    def _keep_out(self, fault: dict[str, Any], g: int) -> KeepOut:
+        """The repeat offenders the next round does without (the same on every node), reported
+        as ``offender`` events; the waiting spares take their ranks."""
+        out = self._avoid.keep_out(self.ctl.store, g, fault, self._members, spares=spares_waiting(self.ctl.store))
+        for rank, ident in zip(out.ranks, out.identities, strict=True):
+            self.events.emit("offender", generation=g, node=rank, identity=ident, faults=self._avoid.count(ident),
+                             spares=out.spares, max_avoid=self._avoid.policy.max_avoid,
+                             window_s=self._avoid.policy.window_s)
+        return out
+
+    def _stand_aside(self, g: int) -> RunResult | None:
+        """This node is a repeat offender: out of torch's round, and to the spare gate as a node
+        that holds no rank; None when a seat opens for it again, a RunResult when the job ended."""
+        leave_round(self._worker_group.spec.rdzv_handler)
+        self._held_rank = None
+        try:
+            self._join()
+        except JobEnded as exc:
+            self.events.emit("exit", generation=g + 1, code=0, why=str(exc))
+            self._worker_group.workers = []  # torch's run() reports each worker: none runs
+            return RunResult(state=WorkerState.SUCCEEDED)
         return None
 
     def _tagged(self, record: dict[str, Any]) -> dict[str, Any]:

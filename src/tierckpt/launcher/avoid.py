@@ -137,10 +137,14 @@ def leave_round(handler: Any) -> bool:
     deadline = getattr(handler, "_get_deadline", None)
     timeout = getattr(getattr(getattr(handler, "_settings", None), "timeout", None), "close", None)
     try:
+        from torch.distributed.elastic.rendezvous.api import RendezvousError
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
     except ImportError:
         return False
     if executor is None or not callable(deadline) or timeout is None:
         return False
-    executor.run(_RendezvousExitOp(), deadline(timeout))
+    try:
+        executor.run(_RendezvousExitOp(), deadline(timeout))
+    except RendezvousError:  # the store is busy or gone: the stopped keep-alive expires all the same
+        return False
     return True

@@ -105,7 +105,10 @@ def test_offenses_survive_a_full_job_restart_through_the_state_file(server: Any)
 def _handler(store: Any, run_id: str, keep_alive_s: int) -> Any:
     """torch's own c10d rendezvous handler, as ``torchrun --rdzv-backend c10d`` builds it."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+        RendezvousTimeout,
+    )
 
     return DynamicRendezvousHandler.from_backend(
         run_id, store, C10dRendezvousBackend(store, run_id), 2, 2, local_addr="127.0.0.1",
