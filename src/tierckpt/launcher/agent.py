@@ -61,6 +61,7 @@ from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
 from tierckpt.launcher.spares import (
     JobEnded,
     SpareGate,
@@ -136,6 +137,8 @@ class TierckptAgent(LocalElasticAgent):
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
         # repeat offenders (avoid.py): faults by node identity, in the store and the state file
         self._avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(opts.run_policy.restart_policy))
+        self._snooze = ScaleUpSnooze.from_restart_policy(opts.run_policy.restart_policy)  # snooze.py
+        self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -225,6 +228,8 @@ class TierckptAgent(LocalElasticAgent):
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
         self._arrivals_seen = arrivals(job_store)
+        if scaled_down(self._change):
+            self._scaled_down_at = time.monotonic()
         report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare_since, via=via)
         self._change = Change(before={}, after={})
 
@@ -480,7 +485,8 @@ class TierckptAgent(LocalElasticAgent):
                 return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for "
                                        f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
                                        node=lost[0]), "lost": sorted(lost)}
-        if wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived():
+        if self._snooze.allows(now, self._scaled_down_at) and \
+                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
             return self._record(MEMBERSHIP_CHANGE, None, "a new agent is waiting in the rendezvous", since=now)
         return None
 
