@@ -710,6 +710,7 @@ class TierckptAgent(LocalElasticAgent):
         self.ctl.stopped(g)
         claims = [_fault_of(r) for r in self.ctl.history(g)]
         self._count(claims)
+        self._avoid.record(self.ctl.store, g, fault, self._members)  # by node identity (avoid.py)
         self._changes = len(claims) - len(self._history)
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
             if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)

@@ -22,7 +22,8 @@ Call order (``TierckptAgent``):
 
     avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(run_policy.restart_policy))
     avoid.remember(job_store, state.get("offenses"))               # after each rendezvous round
-    out = avoid.keep_out(job_store, g, fault, members, spares=spares_waiting(job_store))
+    avoid.record(job_store, g, fault, members)                     # at every fault claim
+    out = avoid.keep_out(job_store, g, fault, members, spares=spares_waiting(job_store))  # a restart, all stopped
     ...an agent whose rank is in ``out``: events "offender"; leave_round(handler); the spare gate
     state["offenses"] = avoid.remembered                           # with every restart-state save
 """
@@ -75,15 +76,23 @@ class RepeatOffenders:
                  if isinstance(v, dict) and isinstance(v.get("identity"), str) and isinstance(v.get("time"), (int, float))}
         self.remembered = _merge(store, _OFFENSES, lambda cur: {**clean, **cur})
 
-    def keep_out(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str], *,
-                 spares: int) -> KeepOut:
-        """The group ranks (of ``members``, this round's rank -> identity) that the next round must do
-        without; the same answer on every agent. Records ``fault`` (the claim of ``generation``) first."""
+    def record(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str]) -> None:
+        """Attribute ``fault`` (the claim of ``generation``) to its node's identity in ``members``
+        (this round's rank -> identity) and merge it into the store; at every fault, whatever the
+        decision, so that a full job restart keeps it (the state file saves ``remembered``)."""
         if not self.enabled:
-            return KeepOut()
+            return
         entry = {str(generation): {"identity": f.identity, "time": f.time, "reason": str(fault.get("reason"))}
                  for f in attribute([fault], [members])}
         self.remembered = _merge(store, _OFFENSES, lambda cur: {**cur, **entry}) if entry else _read(store, _OFFENSES)
+
+    def keep_out(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str], *,
+                 spares: int) -> KeepOut:
+        """The group ranks (of ``members``) that the next round must do without; the same answer on
+        every agent. Records ``fault`` first (``record``; the same entry twice writes nothing)."""
+        if not self.enabled:
+            return KeepOut()
+        self.record(store, generation, fault, members)
         mine = json.dumps({"out": self.policy.exclude(self.faults(), spares=spares), "spares": spares}).encode()
         agreed = json.loads(bytes(store.compare_set(f"{_KEEP_OUT}{generation}", b"", mine)))
         ranks = tuple(sorted(rank for rank, ident in members.items() if ident in agreed["out"]))

@@ -161,3 +161,14 @@ def test_leave_round_without_torchs_private_parts_reports_false() -> None:
     other = Other()
     assert leave_round(object()) is False
     assert leave_round(other) is False and other.stopped  # the keep-alive stops all the same
+
+
+def test_a_fault_before_a_full_restart_is_recorded_for_the_state_file(server: Any) -> None:
+    """``record`` alone (a decision other than a process restart) keeps the offense too."""
+    avoid = RepeatOffenders(OffenderPolicy(max_avoid=1))
+    store = _client(server)
+    avoid.record(store, 0, _claim(0, 1, 5.0), MEMBERS)
+    avoid.record(store, 0, _claim(0, 1, 5.0), MEMBERS)  # every agent records the same entry
+    assert avoid.remembered == {"0": {"identity": "h1:/m1", "time": 5.0, "reason": "Crash"}}
+    other = RepeatOffenders(OffenderPolicy(max_avoid=1))
+    assert other.keep_out(_client(server), 1, _claim(1, 1, 6.0), MEMBERS, spares=1).ranks == (1,)
