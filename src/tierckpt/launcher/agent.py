@@ -16,7 +16,8 @@ Call order (one agent per node, all the same code):
      in-process (inprocess.py), a dead one is replaced alone while the others stay (replace.py).
      A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
      whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
-     A ``MembershipChange`` (a node arrived) restarts without counting a restart.
+     A ``MembershipChange`` (a node arrived) restarts without counting a restart. A repeat
+     offender (avoid.py) leaves for the spare gate at a process restart; a waiting spare takes its rank.
 """
 
 from __future__ import annotations
