@@ -284,3 +284,71 @@ def test_the_validators_reject_what_a_cluster_would(tmp_path: Path) -> None:
     job_spec["template"]["spec"]["containers"][0]["volumeMount"] = []
     with pytest.raises(jsonschema.ValidationError):
         k8s_validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": job_spec})
+
+
+def _seed_with(tmp_path: Path, change: Any) -> Path:
+    doc = yaml.safe_load(SEED.read_text())
+    change(doc)
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(doc))
+    return job
+
+
+def test_jobset_renders_the_spares_of_the_replica_spec(tmp_path: Path) -> None:
+    """HyperPod's ``replicaSpecs[].spares``: that many more pods of the same template, all running the
+    same ``tierckpt run --nnodes 4``, so whichever pod comes fifth finds the job full and waits at the
+    spare gate; every pod is a peer (a spare that takes a rank loads it from the others' replicas)."""
+    job = _seed_with(tmp_path, lambda d: d["spec"]["replicaSpecs"][0].update(spares=1))
+    js = by_kind(render(tmp_path, job=job))["JobSet"]
+    crd_validate(js, "jobset.x-k8s.io_v1alpha2.json")
+    job_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    k8s_validate({"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "x"}, "spec": job_spec})
+    assert job_spec["parallelism"] == job_spec["completions"] == 5
+    a = run_args(job_spec["template"]["spec"]["containers"][0])
+    assert a.nnodes == "4"  # one pod more than the job's nodes: a spare
+    assert a.peers == ",".join(f"llama3-1-8b-fsdp-node-0-{i}.llama3-1-8b-fsdp:7601" for i in range(5))
+    # --spares overrides the job file, 0 included
+    none = by_kind(render(tmp_path, "--spares", "0", job=job))["JobSet"]["spec"]["replicatedJobs"][0]
+    assert none["template"]["spec"]["completions"] == 4
+
+
+def test_pytorchjob_renders_spares_as_more_workers(tmp_path: Path) -> None:
+    pj = by_kind(render(tmp_path, "--target", "pytorchjob", "--spares", "2"))["PyTorchJob"]
+    crd_validate(pj, "kubeflow.org_v1_pytorchjob.json")
+    specs = pj["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 5
+    master, worker = (run_args(specs[k]["template"]["spec"]["containers"][0]) for k in ("Master", "Worker"))
+    assert vars(master) == vars(worker)  # the spares start tierckpt run exactly as the nodes do
+    assert master.nnodes == "4" and master.peers.split(",")[-1] == "llama3-1-8b-fsdp-worker-4:7601"
+    assert pj["spec"]["runPolicy"]["backoffLimit"] == (1 + 1) * 6  # maxFullJobRestarts 1, six pods
+    for rs in specs.values():
+        validate_pod_template(rs["template"])
+
+
+def test_elastic_policy_becomes_nnodes_min_max_and_spares_wait_beyond_max(tmp_path: Path) -> None:
+    """The ConfigMap holds only the runPolicy, so the elasticPolicy's range must reach --nnodes."""
+    from tierckpt.launcher.membership import Elastic
+
+    def elastic(d: dict[str, Any]) -> None:
+        d["spec"]["elasticPolicy"] = {"minReplicas": 2, "maxReplicas": 4}
+        d["spec"]["replicaSpecs"][0]["spares"] = 1
+
+    js = by_kind(render(tmp_path, job=_seed_with(tmp_path, elastic)))["JobSet"]
+    job_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    el = Elastic.parse(run_args(job_spec["template"]["spec"]["containers"][0]).nnodes)
+    assert (el.min_nodes, el.max_nodes) == (2, 4)
+    assert job_spec["completions"] - el.max_nodes == 1  # one pod beyond MAX: the spare
+
+
+@pytest.mark.parametrize(("change", "extra", "message"), [
+    (lambda d: d["spec"]["replicaSpecs"][0].update(spares=-1), (), "spec.replicaSpecs[0].spares: must be a whole"),
+    (lambda d: d["spec"]["replicaSpecs"][0].update(spares="one"), (), "spec.replicaSpecs[0].spares: must be a whole"),
+    (lambda d: None, ("--spares", "-2"), "--spares: must be a whole number"),
+    (lambda d: d["spec"].update(elasticPolicy={"minReplicas": 1, "maxReplicas": 2}), (),
+     "replicas: 4 is outside elasticPolicy's 1..2"),
+])
+def test_bad_spares_are_refused_naming_the_field(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 change: Any, extra: tuple[str, ...], message: str) -> None:
+    job = _seed_with(tmp_path, change)
+    assert cli_main(["k8s", "render", str(job), *extra]) == 2
+    assert message in capsys.readouterr().err

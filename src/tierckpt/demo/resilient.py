@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-idle", action="store_true")
     ap.add_argument("--eval-section-timeout", type=float, default=0.0)
     ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
+    ap.add_argument("--fault-memory-dir", help="the faulty worker is every rank of the node whose memory tier is this "
+                    "directory (TIERCKPT_MEMORY_DIR: a node's identity), instead of --fault-rank")
+    ap.add_argument("--fault-limit", type=int, default=0,
+                    help="at most this many faults in all, counted in <workdir>/faults_done (0: no limit)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (built once per process)")
     ap.add_argument("--inprocess", action="store_true", help="run under tierckpt.resilient: in-process restarts")
     ap.add_argument("--ballast-mib", type=int, default=0,
@@ -104,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     rank_env = int(os.environ.get("RANK", "0"))
     trace = work / f"trace_rank{rank_env}.jsonl"
     gen = int(os.environ.get("TIERCKPT_GENERATION", os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    faulty = args.fault_generation in (gen, -1) and rank_env == args.fault_rank
+    on_node = os.environ.get("TIERCKPT_MEMORY_DIR") == args.fault_memory_dir if args.fault_memory_dir \
+        else rank_env == args.fault_rank
+    faulty = args.fault_generation in (gen, -1) and on_node and not _faults_spent(args, work)
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
            warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None,
@@ -145,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
     _trace(trace, "done", step=args.steps)
     return 0
+
+
+def _faults_spent(args: argparse.Namespace, work: Path) -> bool:
+    """``--fault-limit`` faults happened already (any node, any generation)."""
+    if not args.fault_limit:
+        return False
+    try:
+        return len((work / "faults_done").read_text().split()) >= args.fault_limit
+    except FileNotFoundError:
+        return False
 
 
 def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace: Path, faulty: bool,
@@ -194,6 +210,9 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
             due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
             if due and args.fault in ("nan", "exit", "raise", "hang"):
                 _trace(trace, "fault", step=step, fault=args.fault, inproc=inproc)
+                if args.fault_limit:
+                    with open(work / "faults_done", "a") as f:
+                        f.write(f"{os.getpid()}\n")
             if due and args.fault == "nan":
                 value = math.nan
             if due and args.fault == "exit":

@@ -1,7 +1,7 @@
 """``tierckpt k8s render JOB.yaml``: a HyperPodPyTorchJob as manifests that run without the operator.
 
     tierckpt k8s render llama3_1_8b-fsdp-hpto.yaml [--target jobset|pytorchjob] [-o out.yaml]
-        [--durable-url s3://bucket/ckpt] [--memory-budget 40%] [--peer-replicas 1]
+        [--durable-url s3://bucket/ckpt] [--memory-budget 40%] [--peer-replicas 1] [--spares N]
         [--node-agent hosted|daemonset] [--secret-name NAME] | kubectl apply -f -
 
 Call order: the CLI calls ``add_arguments(parser)`` once and ``main(args)``, which reads the
@@ -11,8 +11,12 @@ ConfigMap (the job file), the Secret (peer replication) and the JobSet or PyTorc
 
 From the HyperPod job: ``metadata`` (name, namespace, labels such as Kueue's queue name),
 ``spec.nprocPerNode``, the one ``replicaSpecs`` entry (its ``replicas`` are the nodes, its
-``template`` the pod), the trainer container's ``hyperpodrun``/``torchrun`` command (its
-torchrun options and script are kept, its rendezvous options replaced), and ``runPolicy``.
+``spares`` the hot spares, its ``template`` the pod), ``spec.elasticPolicy``'s
+``minReplicas``/``maxReplicas`` (``--nnodes MIN:MAX``), the trainer container's
+``hyperpodrun``/``torchrun`` command (its torchrun options and script are kept, its rendezvous
+options replaced), and ``runPolicy``. Spares are more pods of the same template running the
+same ``tierckpt run``: whichever pods come last find the job on its maximum of nodes and wait
+at the launcher's spare gate (docs/launcher.md "Hot spares").
 """
 
 from __future__ import annotations
@@ -52,6 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--memory-dir", default="/dev/shm/tierckpt", help="memory tier on the node (a hostPath)")
     r.add_argument("--memory-budget", help="node-wide memory tier budget for the hosted agent (40%% or 64G)")
     r.add_argument("--peer-replicas", type=int, default=1, help="peer copies of each node's newest step (0: off)")
+    r.add_argument("--spares", type=int, help="hot spare pods beyond the nodes, each waiting to take a lost "
+                   "node's rank (default: spec.replicaSpecs[0].spares, else 0)")
     r.add_argument("--node-agent", choices=("hosted", "daemonset"), default="hosted",
                    help="hosted: tierckpt run hosts the agent in each pod; daemonset: deploy/k8s/base serves the node")
     r.add_argument("--secret-name", help="use this existing Secret (key 'secret') instead of rendering a new one")
@@ -81,15 +87,17 @@ def render(path: Path, args: argparse.Namespace) -> str:
     """The manifests for ``path`` as one multi-document YAML string."""
     import yaml
 
-    spec = build_spec(_load(path), args)
+    job, elastic = _load(path)
+    spec = build_spec(job, args, elastic=elastic)
     docs = [configmap(spec), secret(spec), jobset(spec) if args.target == "jobset" else pytorchjob(spec)]
     return yaml.safe_dump_all([d for d in docs if d is not None], sort_keys=False, width=120)
 
 
-def _load(path: Path) -> dict[str, Any]:
+def _load(path: Path) -> tuple[dict[str, Any], tuple[int, int] | None]:
+    """The job document and its ``elasticPolicy`` (MIN, MAX), as the launcher parses it."""
     from tierckpt.launcher.jobspec import JOB_KIND, load_job_file
 
-    load_job_file(path)  # the launcher's own validation: a job it would reject is never rendered
+    parsed = load_job_file(path)  # the launcher's own validation: a job it would reject is never rendered
     import yaml
 
     docs = [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d is not None]
@@ -97,7 +105,7 @@ def _load(path: Path) -> dict[str, Any]:
     if len(jobs) != 1:
         raise K8sRenderError(f"{path}: render needs a full {JOB_KIND} (apiVersion, kind, metadata, spec), "
                              "not a bare runPolicy", path=str(path))
-    return dict(jobs[0])
+    return dict(jobs[0]), parsed.elastic
 
 
 def _launcher_options() -> dict[str, tuple[str, bool]]:
@@ -111,8 +119,10 @@ def _fail(where: str, problem: str) -> K8sRenderError:
     return K8sRenderError(f"{where}: {problem}")
 
 
-def build_spec(job: Mapping[str, Any], args: argparse.Namespace) -> RenderSpec:
-    """The RenderSpec of a parsed HyperPodPyTorchJob document and the CLI's options."""
+def build_spec(job: Mapping[str, Any], args: argparse.Namespace, *,
+               elastic: tuple[int, int] | None = None) -> RenderSpec:
+    """The RenderSpec of a parsed HyperPodPyTorchJob document (``elastic``: its ``elasticPolicy``
+    as ``jobspec.load_job_file`` read it) and the CLI's options."""
     meta = job.get("metadata") or {}
     name = meta.get("name")
     if not isinstance(name, str) or not name:
@@ -126,6 +136,10 @@ def build_spec(job: Mapping[str, Any], args: argparse.Namespace) -> RenderSpec:
     nodes = rs.get("replicas")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise _fail("spec.replicaSpecs[0].replicas", f"must be a whole number of nodes >= 1, got {nodes!r}")
+    spares = args.spares if getattr(args, "spares", None) is not None else rs.get("spares", 0)
+    if isinstance(spares, bool) or not isinstance(spares, int) or spares < 0:
+        raise _fail("spec.replicaSpecs[0].spares" if getattr(args, "spares", None) is None else "--spares",
+                    f"must be a whole number of spare pods >= 0, got {spares!r}")
     template = rs.get("template") or {}
     containers = (template.get("spec") or {}).get("containers") or []
     if not containers:
@@ -140,7 +154,8 @@ def build_spec(job: Mapping[str, Any], args: argparse.Namespace) -> RenderSpec:
     max_full = args.max_full_restarts if args.max_full_restarts is not None else restart.get("maxFullJobRestarts", 3)
     return RenderSpec(
         name=name, namespace=meta.get("namespace"), labels=dict(meta.get("labels") or {}),
-        annotations=dict(meta.get("annotations") or {}), nodes=nodes, pod_template=template, run_args=run_args,
+        annotations=dict(meta.get("annotations") or {}), nodes=nodes, spares=spares,
+        nnodes=_nnodes(elastic, nodes), pod_template=template, run_args=run_args,
         run_policy=run_policy, max_full_restarts=int(max_full),
         secret_name=args.secret_name or f"{name}-tierckpt-agent",
         secret_value=None if args.secret_name else secrets.token_hex(32), memory_dir=args.memory_dir,
@@ -148,6 +163,18 @@ def build_spec(job: Mapping[str, Any], args: argparse.Namespace) -> RenderSpec:
         library_metrics_port=args.library_metrics_port,
         hosted_agent=args.node_agent == "hosted" and args.peer_replicas > 0,
     )
+
+
+def _nnodes(elastic: tuple[int, int] | None, nodes: int) -> str:
+    """``tierckpt run --nnodes``: ``MIN:MAX`` of ``spec.elasticPolicy`` (the launcher would read it
+    from a whole job file; the ConfigMap holds only the runPolicy), else the replicas."""
+    if elastic is None:
+        return str(nodes)
+    lo, hi = elastic
+    if not lo <= nodes <= hi:
+        raise _fail("spec.replicaSpecs[0].replicas", f"{nodes} is outside elasticPolicy's {lo}..{hi}; "
+                    "set replicas between minReplicas and maxReplicas")
+    return f"{lo}:{hi}"
 
 
 def _run_args(command: list[Any], extra: list[Any], spec: Mapping[str, Any], args: argparse.Namespace,

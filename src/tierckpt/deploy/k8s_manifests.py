@@ -45,7 +45,9 @@ class RenderSpec:
     namespace: str | None
     labels: dict[str, str]
     annotations: dict[str, str]
-    nodes: int
+    nodes: int  # the replicas: nodes the job runs on at its start
+    spares: int  # more pods of the same template: they wait at tierckpt run's spare gate
+    nnodes: str  # tierckpt run --nnodes: the replicas, or MIN:MAX of an elasticPolicy
     pod_template: dict[str, Any]  # the HyperPod replica's PodTemplateSpec, trainer container first
     run_args: list[str]  # tierckpt run arguments after "tierckpt run", rendezvous excluded
     run_policy: dict[str, Any]  # the HyperPod runPolicy, for the ConfigMap
@@ -58,6 +60,11 @@ class RenderSpec:
     metrics_port: int
     library_metrics_port: int
     hosted_agent: bool
+
+    @property
+    def pods(self) -> int:
+        """Every pod: the nodes and the spares, all the same."""
+        return self.nodes + self.spares
 
     @property
     def configmap_name(self) -> str:
@@ -94,7 +101,7 @@ def secret(spec: RenderSpec) -> dict[str, Any] | None:
 
 
 def _run_command(spec: RenderSpec, endpoint: str, peers: list[str]) -> list[str]:
-    args = ["--nnodes", str(spec.nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+    args = ["--nnodes", spec.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
             "--rdzv-id", spec.name, "--job", f"{JOB_FILE_DIR}/job.yaml", "--memory-dir", spec.memory_dir,
             "--metrics-port", str(spec.metrics_port)]
     if spec.hosted_agent:
@@ -146,13 +153,13 @@ def _pod_template(spec: RenderSpec, endpoint: str, peers: list[str], *, wrapper:
 
 
 def jobset(spec: RenderSpec) -> dict[str, Any]:
-    """A JobSet (jobset.x-k8s.io/v1alpha2): one indexed Job of ``nodes`` pods, one per node."""
+    """A JobSet (jobset.x-k8s.io/v1alpha2): one indexed Job of ``nodes + spares`` pods, one per node."""
     rjob = "node"
     endpoint = f"{spec.name}-{rjob}-0-0.{spec.name}:{spec.rdzv_port}"
-    peers = [f"{spec.name}-{rjob}-0-{i}.{spec.name}" for i in range(spec.nodes)]  # JobSet's pod hostnames
+    peers = [f"{spec.name}-{rjob}-0-{i}.{spec.name}" for i in range(spec.pods)]  # JobSet's pod hostnames
     template = _pod_template(spec, endpoint, peers, wrapper=False)
     job_spec = {
-        "parallelism": spec.nodes, "completions": spec.nodes, "completionMode": "Indexed", "backoffLimit": 0,
+        "parallelism": spec.pods, "completions": spec.pods, "completionMode": "Indexed", "backoffLimit": 0,
         "podFailurePolicy": {"rules": [
             {"action": "FailJob", "onExitCodes": {"containerName": template["spec"]["containers"][0]["name"],
                                                   "operator": "In",
@@ -180,14 +187,14 @@ def jobset(spec: RenderSpec) -> dict[str, Any]:
 
 
 def pytorchjob(spec: RenderSpec) -> dict[str, Any]:
-    """A Kubeflow PyTorchJob (kubeflow.org/v1): one Master pod and ``nodes - 1`` Worker pods."""
+    """A Kubeflow PyTorchJob (kubeflow.org/v1): one Master pod and ``nodes + spares - 1`` Worker pods."""
     endpoint = f"{spec.name}-master-0:{spec.rdzv_port}"
     # the operator's per-pod headless Services
-    peers = [f"{spec.name}-master-0"] + [f"{spec.name}-worker-{i}" for i in range(spec.nodes - 1)]
+    peers = [f"{spec.name}-master-0"] + [f"{spec.name}-worker-{i}" for i in range(spec.pods - 1)]
     replicas: dict[str, Any] = {"Master": {"replicas": 1, "restartPolicy": "ExitCode",
                                            "template": _pod_template(spec, endpoint, peers, wrapper=True)}}
-    if spec.nodes > 1:
-        replicas["Worker"] = {"replicas": spec.nodes - 1, "restartPolicy": "ExitCode",
+    if spec.pods > 1:
+        replicas["Worker"] = {"replicas": spec.pods - 1, "restartPolicy": "ExitCode",
                               "template": _pod_template(spec, endpoint, peers, wrapper=True)}
     for r in replicas.values():  # the operator requires its container name
         r["template"]["spec"]["containers"][0]["name"] = "pytorch"
@@ -197,7 +204,7 @@ def pytorchjob(spec: RenderSpec) -> dict[str, Any]:
         "spec": {
             "runPolicy": {"cleanPodPolicy": "All",
                           # every pod exits 175 in a full restart; tierckpt enforces maxFullJobRestarts itself
-                          "backoffLimit": (spec.max_full_restarts + 1) * spec.nodes},
+                          "backoffLimit": (spec.max_full_restarts + 1) * spec.pods},
             "pytorchReplicaSpecs": replicas,
         },
     }

@@ -16,7 +16,8 @@ Call order (one agent per node, all the same code):
      in-process (inprocess.py), a dead one is replaced alone while the others stay (replace.py).
      A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
      whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
-     A ``MembershipChange`` (a node arrived) restarts without counting a restart.
+     A ``MembershipChange`` (a node arrived) restarts without counting a restart. A repeat
+     offender (avoid.py) leaves for the spare gate at a process restart; a waiting spare takes its rank.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 
 from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
+from tierckpt.launcher.agent_membership import MembershipPath
+from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
@@ -51,23 +54,22 @@ from tierckpt.launcher.membership import (
     missing_nodes,
     prior_restarts,
     restart_history,
-    shrink,
 )
+from tierckpt.launcher.offenders import OffenderPolicy
 from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
 from tierckpt.launcher.spares import (
     JobEnded,
-    SpareGate,
     SpareWatch,
     arrivals,
     open_seats,
     publish_nodes,
     report_round,
-    spares_waiting,
 )
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
@@ -80,7 +82,7 @@ __all__ = ["TierckptAgent"]
 
 _BEAT_PREFIX = "tierckpt-beats-"  # <tmpfs>/tierckpt-beats-<agent pid>-<random>/beat_<local rank>
 
-class TierckptAgent(LocalElasticAgent):
+class TierckptAgent(MembershipPath, LocalElasticAgent):
     """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, opts: RunOptions, *,
@@ -133,6 +135,10 @@ class TierckptAgent(LocalElasticAgent):
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
+        # repeat offenders (avoid.py): faults by node identity, in the store and the state file
+        self._avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(opts.run_policy.restart_policy))
+        self._snooze = ScaleUpSnooze.from_restart_policy(opts.run_policy.restart_policy)  # snooze.py
+        self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -143,7 +149,8 @@ class TierckptAgent(LocalElasticAgent):
                            {"next_generation": next_generation, "full_restarts": full_restarts,
                             "job_started": self._job_started, "hang": self._learn().to_dict(),
                             "restarts": self._restarts, "resume_before": self.resume_before,
-                            "membership_changes": self._changes_before + self._changes})
+                            "membership_changes": self._changes_before + self._changes,
+                            "offenses": self._avoid.remembered})
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -195,6 +202,7 @@ class TierckptAgent(LocalElasticAgent):
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
         self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
+        self._avoid.remember(job_store, st.get("offenses"))
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
 
@@ -221,77 +229,10 @@ class TierckptAgent(LocalElasticAgent):
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
         self._arrivals_seen = arrivals(job_store)
+        if scaled_down(self._change):
+            self._scaled_down_at = time.monotonic()
         report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare_since, via=via)
         self._change = Change(before={}, after={})
-
-    def _regroup(self, fault: dict[str, Any], g: int) -> bool:
-        """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
-        membership through the store (``JobControl.regroup``), without a torch rendezvous round;
-        False (use the round) when ``membership.shrink`` says so or a survivor does not arrive."""
-        el, ctl, wg = self.opts.elastic, self.ctl, self._worker_group
-        if el is None or not el.elastic or fault.get("reason") == MEMBERSHIP_CHANGE:
-            return False
-        lost = self._lost_nodes(fault)
-        plan = shrink(nnodes=self.nnodes, lost=lost, elastic=el,
-                      spares_waiting=spares_waiting(ctl.store) + wg.spec.rdzv_handler.num_nodes_waiting())
-        got = ctl.regroup(g, self.node, list(plan.survivors), timeout=self.opts.node_timeout_s) \
-            if plan.regroup and self.node in plan.survivors else None
-        if got is None:
-            return False
-        rank, world = got
-        import torch.distributed as dist
-
-        round_store = dist.PrefixStore(f"tierckpt/run/regroup/{g}/", ctl.store)  # type: ignore[attr-defined]
-        wg.workers = LocalElasticAgent._assign_worker_ranks(self, round_store, rank, world, wg.spec)
-        wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
-        after = {new: self._members.get(old, "") for new, old in enumerate(plan.survivors)}
-        self._change, self._members = Change(before=self._members, after=after), after
-        self.generation = g + 1
-        self._settle(ctl.store, spare_since=None, via="regroup")
-        return True
-
-    def _arrived(self) -> bool:
-        """An agent passed the spare gate into a job below its maximum since this round settled
-        (spares.arrivals: one store operation a poll, only while the job runs below MAX)."""
-        el, ctl = self.opts.elastic, self._ctl
-        if el is None or ctl is None or self.nnodes >= el.max_nodes:
-            return False
-        return arrivals(ctl.store) > self._arrivals_seen
-
-    def _lost_nodes(self, fault: dict[str, Any]) -> list[int]:
-        """The group ranks a re-rendezvous lacks: a LostNode claim's, else (a machine gone with its
-        reaper shows first as the survivors' Crash) the liveness verdict's, awaited up to
-        ``--node-timeout`` (every survivor reads the same verdict key)."""
-        if fault.get("reason") == "LostNode":
-            return [int(n) for n in fault.get("lost") or [fault.get("node")] if n is not None]
-        deadline = time.monotonic() + self.opts.node_timeout_s
-        while self._liveness is not None:
-            lost = self._liveness.lost()
-            if lost or time.monotonic() > deadline:
-                return sorted(lost)
-            time.sleep(0.05)
-        return []
-
-    def _spare_gate(self) -> float | None:
-        """spares.SpareGate before torch's rendezvous; when this agent began standing by, or None.
-        A survivor (it held a rank in this process) never waits there."""
-        if self._held_rank is not None:
-            return None
-        handler = self._worker_group.spec.rdzv_handler
-        store = getattr(handler, "_store", None)
-        max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
-        if store is None or not isinstance(max_nodes, int):
-            return None
-        pool = self._pool
-        return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by,
-                         ready=lambda: pool is None or pool.workers_ready(),
-                         on_warm=lambda: self._standing_by(None)).wait()
-
-    def _standing_by(self, job_nodes: int | None) -> None:
-        """This agent stands by as a spare (``job_nodes``: the job's nodes), or its standbys just
-        finished their imports (None): ``spare`` events ``standby`` and ``warm``."""
-        fields: dict[str, Any] = {"state": "warm"} if job_nodes is None else {"state": "standby", "job_nodes": job_nodes}
-        self.events.emit("spare", generation=self.generation, identity=ranks.identity(self.opts.memory_dir), **fields)
 
     @property
     def ctl(self) -> JobControl:
@@ -476,7 +417,8 @@ class TierckptAgent(LocalElasticAgent):
                 return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for "
                                        f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
                                        node=lost[0]), "lost": sorted(lost)}
-        if wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived():
+        if self._snooze.allows(now, self._scaled_down_at) and \
+                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
             return self._record(MEMBERSHIP_CHANGE, None, "a new agent is waiting in the rendezvous", since=now)
         return None
 
@@ -705,6 +647,7 @@ class TierckptAgent(LocalElasticAgent):
         self.ctl.stopped(g)
         claims = [_fault_of(r) for r in self.ctl.history(g)]
         self._count(claims)
+        self._avoid.record(self.ctl.store, g, fault, self._members)  # by node identity (avoid.py)
         self._changes = len(claims) - len(self._history)
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
             if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)
@@ -715,27 +658,34 @@ class TierckptAgent(LocalElasticAgent):
                                             resume.passed(self.ctl.store, g, self.nnodes))
         if decision.action != Action.RESTART:
             return self._finish(decision, all_here)
+        out = self._keep_out(fault, g) if all_here else KeepOut()  # repeat offenders to do without (avoid.py)
         self._save_state(g + 1, self.full_restarts)
         if decision.delay_s > 0:
             self.events.emit("backoff", generation=g, delay_s=round(decision.delay_s, 3), why=decision.reason)
             time.sleep(decision.delay_s)
-        if all_here:
+        if all_here and not out:
             self.generation = g + 1
             self._start_workers_logged(wg)
-        else:  # a node is gone or new: torch's rendezvous waits for the membership to settle
+        else:  # a node is gone, new or kept out: torch's rendezvous waits for the membership to settle
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
-            open_seats(self.ctl.store, g, self.node, missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)))
+            open_seats(self.ctl.store, g, self.node,
+                       missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)) + len(out.ranks))
             self._save_state(g + 1, self.full_restarts)
-            if fault.get("reason") == "LostNode" and self.node in (fault.get("lost") or [fault.get("node")]):
-                # the others counted this node lost (a partition that healed): they went on without
-                # it, a spare may hold its rank; it comes back as a newcomer, through the spare gate,
-                # not straight into torch's round (whose redundancy list is unsafe, spares.py)
-                self._held_rank = None
-            try:
-                if not self._regroup(fault, g):
-                    self._join()
-            except JobEnded as exc:  # it stood by as a spare until the job finished without it
-                return self._ended(exc)
+            if self.node in out.ranks:
+                ended = self._stand_aside(g)
+                if ended is not None:
+                    return ended
+            else:
+                if fault.get("reason") == "LostNode" and self.node in (fault.get("lost") or [fault.get("node")]):
+                    # the others counted this node lost (a partition that healed): they went on without
+                    # it, a spare may hold its rank; it comes back as a newcomer, through the spare gate,
+                    # not straight into torch's round (whose redundancy list is unsafe, spares.py)
+                    self._held_rank = None
+                try:
+                    if out or not self._regroup(fault, g):
+                        self._join()
+                except JobEnded as exc:  # it stood by as a spare until the job finished without it
+                    return self._ended(exc)
             self.generation = max(self.generation, g + 1)
             self._prefetch()
             self._start_workers_logged(wg)

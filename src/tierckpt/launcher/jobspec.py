@@ -114,8 +114,8 @@ class RestartPolicy:
     num_restart_before_full_job_restart: int | None = None
     eval_period_s: float | None = None
     max_full_job_restarts: int | None = None
-    max_num_repeat_offenders_to_avoid: int | None = None  # accepted, unused by the launcher
-    scale_up_snooze_time_s: float | None = None  # accepted, unused
+    max_num_repeat_offenders_to_avoid: int | None = None  # offenders.py / avoid.py
+    scale_up_snooze_time_s: float | None = None  # snooze.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,11 +305,6 @@ def _parse_restart_policy(raw: Any, where: str, ignored: list[str]) -> RestartPo
         snooze = _seconds(
             m["scaleUpSnoozeTimeInSeconds"], f"{where}.scaleUpSnoozeTimeInSeconds", allow_zero=True
         )
-    ignored.extend(
-        f"{where}.{key}"
-        for key in ("maxNumRepeatOffendersToAvoid", "scaleUpSnoozeTimeInSeconds")
-        if _present(m, key)
-    )
     return RestartPolicy(
         num_restart_before_full_job_restart=counts.get("numRestartBeforeFullJobRestart"),
         eval_period_s=_seconds(m["evalPeriodSeconds"], f"{where}.evalPeriodSeconds"),

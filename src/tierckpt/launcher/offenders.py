@@ -15,7 +15,8 @@ so that every agent computes the same answer from the same history:
   worst first (most faults, then the most recent, then the identity for a stable order), and
   never more than there are spares to take their ranks: a job is not shrunk to avoid a node.
 
-Call order (not yet wired into the agent; see docs/launcher.md "Not done yet"):
+Call order (the agent, through ``avoid.RepeatOffenders``, which keeps the attributed faults in
+the job store and agrees on one answer per generation):
 
     policy = OffenderPolicy.from_restart_policy(run_policy.restart_policy)
     keep_out = policy.exclude(attributed_faults, spares=spares_waiting(store))

@@ -361,8 +361,6 @@ def test_every_run_policy_field() -> None:
         "rp.ttlSecondsAfterFinished",
         "rp.suspend",
         "rp.workloadMode",
-        "rp.restartPolicy.maxNumRepeatOffendersToAvoid",
-        "rp.restartPolicy.scaleUpSnoozeTimeInSeconds",
     ]
     assert isinstance(rp.startup_deadline_s, float) and isinstance(rp.restart_policy, RestartPolicy)
     assert isinstance(rp.restart_policy.eval_period_s, float)
