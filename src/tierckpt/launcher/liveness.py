@@ -56,11 +56,25 @@ def verdict_key(epoch: int) -> str:
 
 
 class Silence:
-    """Which counters have not moved for ``timeout_s`` (pure; the caller passes the clock)."""
+    """Which counters have not moved for ``timeout_s`` (pure; the caller passes the clock, the
+    time of its reads: silence is what reads saw, never the clock alone).
+
+    Call order, per read of every counter: ``read(now)``, then ``observe(node, value, now)`` for
+    each; ``silent(now)`` with the time of the last read."""
 
     def __init__(self, nodes: Iterable[int], timeout_s: float, now: float) -> None:
         self.timeout_s = timeout_s
         self._last: dict[int, tuple[Any, float]] = {n: (None, now) for n in nodes}
+        self.read_at = now
+
+    def read(self, now: float) -> None:
+        """A read of every counter begins. After a gap longer than ``timeout_s`` (this watcher's
+        own thread stalled: a starved CPU, a stopped process) the reader knows nothing of that
+        time, and every counter's silence starts over: a counter unchanged across the gap is not
+        evidence, since its writer may have stalled with the reader."""
+        if now - self.read_at > self.timeout_s:
+            self._last = {n: (v, now) for n, (v, _) in self._last.items()}
+        self.read_at = now
 
     def observe(self, node: int, value: Any, now: float) -> None:
         seen = self._last.get(node)
@@ -86,8 +100,12 @@ class Verdict:
     watcher: int | None = None
     published_lost: list[int] = field(default_factory=list)
     started: bool = False  #: read once (Liveness moves ``since`` to its first read)
+    read_at: float | None = None  #: the last read (a gap longer than ``timeout_s`` starts over)
 
     def read(self, raw: bytes | None, now: float) -> None:
+        if self.read_at is not None and now - self.read_at > self.timeout_s:
+            self.since = now  # this agent read nothing for a whole timeout: an unchanged verdict says nothing
+        self.read_at = now
         if raw is None or raw == self.raw:
             return
         self.raw, self.since = raw, now
@@ -128,6 +146,7 @@ class Liveness:
         self._watch_since_lost: list[int] = []  # lost when this agent took over (the old watcher)
         self._seq = 0
         self._all_beat = False  # every beat key of this epoch exists (multi_get would block otherwise)
+        self._read_at = time.monotonic()  # the last read of the verdict or of the beats (lost() judges at it)
         self.store_error: str | None = None
         self.ticks = 0  #: intervals completed (the bench and the tests count operations per tick)
         self._thread = threading.Thread(target=self._run, name="tierckpt-liveness", daemon=True)
@@ -139,13 +158,15 @@ class Liveness:
         """Watch a new membership (after a rendezvous round); ``epoch`` is the same on every agent."""
         with self._lock:
             self.node, self._epoch = node, epoch
-            self._verdict = Verdict(sorted(nodes), self.timeout_s, time.monotonic())
+            self._read_at = time.monotonic()
+            self._verdict = Verdict(sorted(nodes), self.timeout_s, self._read_at)
             self._watch, self._watch_since_lost, self._all_beat = None, [], False
 
     def lost(self) -> list[int]:
-        """The other group ranks silent for longer than ``timeout_s``, as last known."""
-        now = time.monotonic()
+        """The other group ranks silent for longer than ``timeout_s``, as of this agent's last
+        read: a thread that could not read (starved, stopped) suspects nobody meanwhile."""
         with self._lock:
+            now = self._read_at
             lost = self._watch_lost(now) if self._watch is not None else self._verdict.known_lost(now)
         return [n for n in lost if n != self.node]
 
@@ -194,6 +215,7 @@ class Liveness:
             if not v.started:  # silence counts from this agent's first read, not from its reset
                 v.since, v.started = now, True
             v.read(None if raw == _ABSENT else bytes(raw), now)
+            self._read_at = now
             if v.designated(now) != node:
                 self._watch = None
                 return
@@ -206,6 +228,8 @@ class Liveness:
         with self._lock:
             if epoch != self._epoch or self._watch is None:
                 return
+            self._watch.read(now)
+            self._read_at = now
             for n, value in values.items():
                 self._watch.observe(n, value, now)
             self._seq += 1

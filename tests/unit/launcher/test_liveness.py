@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import threading
 import time
 from collections.abc import Callable
 
@@ -51,6 +52,29 @@ def test_a_stale_verdict_names_its_watcher_lost_and_the_next_rank_takes_over() -
     assert v.designated(2.5) == 0 and v.known_lost(2.5) == [3]
     v.read(json.dumps({"seq": 1, "watcher": 0, "lost": [3]}).encode(), 2.8)  # unchanged: still stale at 3.1
     assert v.known_lost(3.1) == [0, 3] and v.designated(3.1) == 1
+
+
+def test_a_gap_in_the_reads_longer_than_the_timeout_starts_silence_over() -> None:
+    s = Silence([1, 2], timeout_s=1.0, now=0.0)
+    s.read(0.5)
+    s.observe(1, b"1", 0.5)
+    s.observe(2, b"1", 0.5)
+    s.read(4.0)  # the reader stalled 3.5 s: counters unchanged across it are no evidence
+    s.observe(1, b"1", 4.0)
+    s.observe(2, b"2", 4.0)
+    assert s.silent(4.0) == [] and s.silent(4.9) == []
+    for t in (4.6, 5.1):  # regular reads again: node 1 really stopped
+        s.read(t)
+        s.observe(1, b"1", t)
+        s.observe(2, str(t).encode(), t)
+    assert s.silent(5.1) == [1]
+    v = Verdict([0, 1], timeout_s=1.0, since=0.0, started=True)
+    v.read(b'{"seq": 1, "watcher": 0, "lost": []}', 0.2)
+    v.read(b'{"seq": 1, "watcher": 0, "lost": []}', 3.0)  # the same verdict, after a 2.8 s gap in the reads
+    assert v.known_lost(3.0) == [] and v.designated(3.0) == 0
+    v.read(b'{"seq": 1, "watcher": 0, "lost": []}', 3.6)
+    v.read(b'{"seq": 1, "watcher": 0, "lost": []}', 4.1)  # unchanged for 1.1 s of regular reads
+    assert v.known_lost(4.1) == [0] and v.designated(4.1) == 1
 
 
 class _Agents:
@@ -168,3 +192,54 @@ def test_stop_barrier_and_regroup_cost_a_few_operations_per_agent_whatever_the_w
     # a node the verdict counted lost (still running) is no survivor: no rank, and the count is untouched
     assert ctls[5].regroup(5, 5, [0, 1], timeout=0.2) is None
     assert ctls[0].store.add("tierckpt/run/regroup/5", 0) == 0
+
+
+class _Paused:
+    """A real store client whose calls wait while ``paused`` is clear: the agent's liveness thread
+    stalls (starved of CPU, or its process stopped), its store and every other agent go on."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.running = threading.Event()
+        self.running.set()
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self.inner, name)
+
+        def call(*args: object, **kw: object) -> object:
+            self.running.wait()
+            return fn(*args, **kw)
+        return call
+
+
+def test_an_agent_whose_own_thread_stalls_suspects_nobody() -> None:
+    """Silence is what a read saw, never the clock alone: a watcher whose thread stalled for 4x the
+    timeout does not call every peer lost, nor does an agent that could not read the verdict call
+    the watcher lost (found by ``bench scale`` at 1024 simulated agents on 2 cores: starved agents
+    claimed the live watcher, node 0, lost). A peer that really went silent is still found."""
+    store = _server()
+    clients = [_Paused(connect_client("127.0.0.1", store.port)) for _ in range(3)]
+    agents = [Liveness(lambda c=c: c, i, interval_s=0.05, timeout_s=0.5)  # type: ignore[misc]
+              for i, c in enumerate(clients)]
+    for a in agents:
+        a.reset(a.node, [0, 1, 2], epoch=1)
+        a.start()
+    try:
+        assert _until(lambda: all(a.ticks >= 5 for a in agents))
+        assert agents[0].watching
+        clients[1].running.clear()  # agent 1's liveness thread stalls (so its beat stops),
+        clients[0].running.clear()  # and so does the watcher's
+        time.sleep(2.0)  # 4x the timeout without a read
+        assert agents[1].lost() == [], "a stalled agent called the watcher lost"
+        assert agents[0].lost() == [], "a stalled watcher called its peers lost"
+        clients[0].running.set()
+        clients[1].running.set()
+        time.sleep(0.3)
+        assert [a.lost() for a in agents] == [[], [], []]
+        agents[2].close()  # a real silence: the watcher finds it after the timeout
+        assert _until(lambda: agents[0].lost() == [2] and agents[1].lost() == [2])
+    finally:
+        for c in clients:
+            c.running.set()
+        for a in agents:
+            a.close()
