@@ -5,6 +5,7 @@ Call order (one agent per node, all the same code):
   1. ``run()`` → ``_invoke_run``: torch's rendezvous (c10d), then ``JobControl.join`` agrees
      on the generation; group rank 0 publishes a fresh master port for the generation and
      every agent starts its workers with TIERCKPT_GENERATION (= TORCHELASTIC_RESTART_COUNT).
+     Before it, an agent takes a seat of the first round (seats.py) or waits at the spare gate.
   2. Every ``monitor_interval``: torch's process check (crash), heartbeats (hang, start-up
      deadline, non-finite loss), log rules, lost agents (liveness thread), and the store's
      fault claim for this generation (a fault on any node).
@@ -142,6 +143,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._snooze = ScaleUpSnooze.from_restart_policy(opts.run_policy.restart_policy)  # snooze.py
         self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
         self._seat_beat: SeatBeat | None = None  # beats until the first round formed (seats.py)
+        self._aside = False  # standing aside as a repeat offender (agent_membership._stand_aside)
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:

@@ -47,6 +47,7 @@ class MembershipPath:
     _pool: StandbyPool | None
     _avoid: RepeatOffenders
     _seat_beat: SeatBeat | None
+    _aside: bool  # this agent stands aside as a repeat offender: other waiting spares take seats first
 
     if TYPE_CHECKING:  # the agent's (agent.py)
         @property
@@ -132,7 +133,7 @@ class MembershipPath:
         pool = self._pool
         gate = SpareGate(job_store, max_nodes, self._standing_by,
                          ready=lambda: pool is None or pool.workers_ready(),
-                         on_warm=lambda: self._standing_by(None), seats=seats)
+                         on_warm=lambda: self._standing_by(None), seats=seats, offender=self._aside)
         try:
             return gate.wait()
         finally:
@@ -157,11 +158,15 @@ class MembershipPath:
 
     def _stand_aside(self, g: int) -> RunResult | None:
         """This node is a repeat offender: out of torch's round, and to the spare gate as a node
-        that holds no rank; None when a seat opens for it again, a RunResult when the job ended."""
+        that holds no rank, behind every other spare waiting there (``SpareGate(offender=True)``);
+        None when a seat opens for it again, a RunResult when the job ended."""
         leave_round(self._worker_group.spec.rdzv_handler)
         self._held_rank = None
+        self._aside = True
         try:
             self._join()
         except JobEnded as exc:
             return self._ended(exc)
+        finally:
+            self._aside = False
         return None

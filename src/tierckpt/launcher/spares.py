@@ -26,7 +26,10 @@ until the round formed, then goes on at the gate as above, so no spare ever wait
 redundancy list. ``SpareWatch`` still reports an agent found there. An agent that finds the job
 below its maximum goes on into the rendezvous and counts itself in ``arrivals``, which the
 running agents read at each poll (a ``MembershipChange``): after a regroup torch's own wait list
-did not show the new node to the survivor (seen in ``test_elastic_job_shrinks_...``).
+did not show the new node to the survivor (seen in ``test_elastic_job_shrinks_...``). A repeat
+offender standing aside (``offender=True``, avoid.py) marks its tickets and passes a seat on to
+the next ticket while a spare that is no offender waits behind it, drawing a new ticket at the
+back. A spare of a finished job leaves once every node called ``finished`` (it may host the store).
 
 Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
 
@@ -39,6 +42,7 @@ Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
     ...survivors, going to a new round after losing k nodes:  open_seats(job_store, g, node, k)
     watch.since        # when this agent began standing by as a spare (None: it never did)
     report_round(events, generation, change, node=..., spare_since=watch.since)   # after the round
+    finished(job_store)                            # every node of a finished job, after its exit barrier
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ _TICKETS = "tierckpt/run/spare-tickets"  # spares that came to the gate so far (
 _ARRIVALS = "tierckpt/run/arrivals"  # agents that passed the gate into a job below its maximum
 _DONE = "tierckpt/run/done/0"  # JobControl.mark_done of group rank 0: the job finished
 _FINISHED = "tierckpt/run/finished"  # nodes of a finished job past their exit barrier
+_OFFENDER = "tierckpt/run/spare-tickets/offender/"  # <ticket>: drawn by a repeat offender standing aside
 
 
 class JobEnded(Exception):  # noqa: N818 - a way out of the gate, not an error
@@ -109,7 +114,8 @@ class SpareGate:
     def __init__(self, store: Any, max_nodes: int, on_standby: Callable[[int], None], *,
                  ready: Callable[[], bool] = lambda: True, ready_timeout_s: float = 60.0,
                  on_warm: Callable[[], None] = lambda: None, poll_s: float = 0.2,
-                 seats: FirstSeats | None = None, seat_poll_s: float = 1.0, linger_s: float = 60.0) -> None:
+                 seats: FirstSeats | None = None, seat_poll_s: float = 1.0, linger_s: float = 60.0,
+                 offender: bool = False) -> None:
         self.store = store
         self.max_nodes = max_nodes
         self.on_standby = on_standby
@@ -121,6 +127,7 @@ class SpareGate:
         self.seat_poll_s = seat_poll_s  # how often a spare reads the first round's seats (2 operations a seat)
         self.beat: SeatBeat | None = None  # this agent's first-round seat's beat (seats.py)
         self.linger_s = linger_s  # how long a spare of a finished job waits for its nodes to leave the store
+        self.offender = offender  # a repeat offender standing aside: other waiting spares go first
         self._since: float | None = None  # when it began standing by
         self._warm = False
 
@@ -146,10 +153,17 @@ class SpareGate:
                     time.sleep(self.poll_s)
                 st.add(_ARRIVALS, 1)
             return self._since
-        ticket = int(st.add(_TICKETS, 1))
+        ticket = self._draw()
         self._stand_by(nodes)
         try:
-            while int(st.add(_SEATS, 0)) < ticket:
+            while True:
+                seats = int(st.add(_SEATS, 0))
+                if seats >= ticket:
+                    if not (self.offender and self._others_waiting(seats)):
+                        break
+                    ticket = self._draw()  # a repeat offender yields: to the back of the line, and
+                    st.add(_SEATS, 1)  # its seat to the next ticket (waiting spares stay T - S)
+                    continue
                 self._warm_up()
                 if st.check([_DONE]):
                     raise self._finished()
@@ -159,6 +173,18 @@ class SpareGate:
         except Exception as exc:  # noqa: BLE001 - the store's host left: the job is over
             raise JobEnded(f"the job's store went away while this node stood by as a spare: {exc}") from exc
         return self._since
+
+    def _draw(self) -> int:
+        """A ticket at the gate, marked when this agent is a repeat offender."""
+        ticket = int(self.store.add(_TICKETS, 1))
+        if self.offender:
+            self.store.set(f"{_OFFENDER}{ticket}", b"1")
+        return ticket
+
+    def _others_waiting(self, seats: int) -> bool:
+        """A spare that is no repeat offender holds a ticket not yet admitted (one read a ticket)."""
+        drawn = int(self.store.add(_TICKETS, 0))
+        return any(not self.store.check([f"{_OFFENDER}{t}"]) for t in range(seats + 1, drawn + 1))
 
     def _first_round(self, seats: FirstSeats) -> bool:
         """Before the first round formed: True when this agent holds a seat of it (drawn, given back,

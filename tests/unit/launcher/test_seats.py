@@ -241,3 +241,47 @@ def test_a_spare_of_a_finished_job_leaves_after_every_node_passed_its_exit_barri
     assert not spare.done(0.5), "the spare left before the second node passed its exit barrier"
     finished(server)
     assert spare.done(5) and isinstance(spare.error[0], JobEnded) and "finished" in str(spare.error[0])
+
+
+# ---- a repeat offender standing aside waits behind the other spares ----
+
+def test_an_offender_at_the_gate_lets_a_later_spare_take_the_first_seat(server: Any) -> None:
+    """The offender stood aside first (ticket 1), a spare came after (ticket 2): the first seat
+    opened goes to the spare; the offender takes the next one, when no other spare waits."""
+    publish_nodes(server, 2)
+    offender = _Gate(SpareGate(_client(server), 2, lambda n: None, poll_s=0.02, offender=True))
+    _wait(lambda: spares_waiting(server) == 1, 5, "the offender stands by")
+    spare = _Gate(SpareGate(_client(server), 2, lambda n: None, poll_s=0.02))
+    _wait(lambda: spares_waiting(server) == 2, 5, "the spare stands by behind it")
+    open_seats(server, 0, 0, 1)
+    assert spare.done(5) and not spare.error, spare.error
+    assert not offender.done(0.5), "the offender took the seat while another spare waited"
+    assert spares_waiting(server) == 1  # the offender, still counted as a spare at the gate
+    open_seats(server, 1, 0, 1)
+    assert offender.done(5) and not offender.error, offender.error
+    assert spares_waiting(server) == 0
+
+
+def test_an_offender_alone_at_the_gate_takes_the_seat(server: Any) -> None:
+    publish_nodes(server, 2)
+    offender = _Gate(SpareGate(_client(server), 2, lambda n: None, poll_s=0.02, offender=True))
+    _wait(lambda: spares_waiting(server) == 1, 5, "the offender stands by")
+    open_seats(server, 0, 0, 1)
+    assert offender.done(5) and not offender.error, offender.error
+    assert spares_waiting(server) == 0
+
+
+def test_two_offenders_and_a_spare_share_two_seats_without_losing_one(server: Any) -> None:
+    publish_nodes(server, 2)
+    first = _Gate(SpareGate(_client(server), 2, lambda n: None, poll_s=0.02, offender=True))
+    _wait(lambda: spares_waiting(server) == 1, 5, "offender 1 stands by")
+    second = _Gate(SpareGate(_client(server), 2, lambda n: None, poll_s=0.02, offender=True))
+    _wait(lambda: spares_waiting(server) == 2, 5, "offender 2 stands by")
+    spare = _Gate(SpareGate(_client(server), 2, lambda n: None, poll_s=0.02))
+    _wait(lambda: spares_waiting(server) == 3, 5, "the spare stands by")
+    open_seats(server, 0, 0, 2)
+    assert spare.done(5) and not spare.error, spare.error
+    _wait(lambda: first.done(0) or second.done(0), 5, "one offender takes the second seat")
+    time.sleep(0.3)
+    assert first.done(0) != second.done(0), "both offenders, or neither, passed with one seat left"
+    assert spares_waiting(server) == 1
