@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FirstSeats", "SeatBeat", "SeatWatch", "holder", "take"]
+__all__ = ["FirstSeats", "SeatBeat", "SeatWatch", "beat", "holder", "take"]
 
 _P = "tierckpt/run/first-seat/"
 _TICKETS = _P + "tickets"  # agents that drew a ticket before the first round formed

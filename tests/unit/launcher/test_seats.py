@@ -182,6 +182,8 @@ def test_a_spare_takes_the_seat_of_a_holder_killed_before_the_round(server: Any)
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)
+        if proc.stdout is not None:
+            proc.stdout.close()
     assert not spare.error, spare.error
     assert spare.result and spare.result[0] is not None  # it stood by: its ``since`` is reported on joining
     assert waited >= 3.0 - 0.5, waited  # its last beat came at most one beat before the kill
@@ -285,3 +287,8 @@ def test_two_offenders_and_a_spare_share_two_seats_without_losing_one(server: An
     time.sleep(0.3)
     assert first.done(0) != second.done(0), "both offenders, or neither, passed with one seat left"
     assert spares_waiting(server) == 1
+    server.set("tierckpt/run/done/0", b"1")  # the job ends: the offender still waiting leaves the gate
+    finished(server)
+    finished(server)
+    assert first.done(5) and second.done(5)
+    assert [type(e) for g in (first, second) for e in g.error] == [JobEnded]
