@@ -5,6 +5,7 @@ Call order (one agent per node, all the same code):
   1. ``run()`` → ``_invoke_run``: torch's rendezvous (c10d), then ``JobControl.join`` agrees
      on the generation; group rank 0 publishes a fresh master port for the generation and
      every agent starts its workers with TIERCKPT_GENERATION (= TORCHELASTIC_RESTART_COUNT).
+     Before it, an agent takes a seat of the first round (seats.py) or waits at the spare gate.
   2. Every ``monitor_interval``: torch's process check (crash), heartbeats (hang, start-up
      deadline, non-finite loss), log rules, lost agents (liveness thread), and the store's
      fault claim for this generation (a fault on any node).
@@ -62,11 +63,13 @@ from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.rules import RuleMonitor
+from tierckpt.launcher.seats import SeatBeat
 from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
 from tierckpt.launcher.spares import (
     JobEnded,
     SpareWatch,
     arrivals,
+    finished,
     open_seats,
     publish_nodes,
     report_round,
@@ -139,6 +142,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(opts.run_policy.restart_policy))
         self._snooze = ScaleUpSnooze.from_restart_policy(opts.run_policy.restart_policy)  # snooze.py
         self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
+        self._seat_beat: SeatBeat | None = None  # beats until the first round formed (seats.py)
+        self._aside = False  # standing aside as a repeat offender (agent_membership._stand_aside)
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -589,6 +594,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             if result.state == WorkerState.SUCCEEDED:
                 self.ctl.mark_done(self.node)
                 self._exit_barrier()
+                try:  # a spare at the gate may host the store: it leaves once every node got here
+                    finished(self.ctl.store)
+                except _store_errors():
+                    pass
                 self.events.emit("exit", generation=self.generation, code=0)
                 return result
             progress = self._progress()
@@ -803,6 +812,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
+        if self._seat_beat is not None:
+            self._seat_beat.stop()
+            self._seat_beat = None
         if self._reaper is not None:  # before the slow parts: the workers were stopped already
             self._reaper.close()
             self._reaper = None

@@ -20,10 +20,11 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from tierckpt.launcher import ranks
 from tierckpt.launcher.avoid import KeepOut, RepeatOffenders, leave_round
-from tierckpt.launcher.control import JobControl, Liveness
+from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.membership import MEMBERSHIP_CHANGE, Change, shrink
 from tierckpt.launcher.options import RunOptions
+from tierckpt.launcher.seats import FirstSeats, SeatBeat
 from tierckpt.launcher.spares import JobEnded, SpareGate, arrivals, spares_waiting
 from tierckpt.launcher.warm import StandbyPool
 
@@ -45,6 +46,8 @@ class MembershipPath:
     _held_rank: int | None
     _pool: StandbyPool | None
     _avoid: RepeatOffenders
+    _seat_beat: SeatBeat | None
+    _aside: bool  # this agent stands aside as a repeat offender: other waiting spares take seats first
 
     if TYPE_CHECKING:  # the agent's (agent.py)
         @property
@@ -112,7 +115,9 @@ class MembershipPath:
 
     def _spare_gate(self) -> float | None:
         """spares.SpareGate before torch's rendezvous; when this agent began standing by, or None.
-        A survivor (it held a rank in this process) never waits there."""
+        A survivor (it held a rank in this process) never waits there. Before the first round
+        formed, the gate seats this agent in it or holds it as a spare (seats.py); the seat's
+        beat runs until the round formed (group rank 0 published its node count)."""
         if self._held_rank is not None:
             return None
         handler = self._worker_group.spec.rdzv_handler
@@ -120,10 +125,20 @@ class MembershipPath:
         max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
         if store is None or not isinstance(max_nodes, int):
             return None
+        job_store = getattr(store, "underlying_store", store)
+        host, port = getattr(job_store, "host", None), getattr(job_store, "port", None)
+        seats = FirstSeats(ranks.identity(self.opts.memory_dir), stale_s=self.opts.node_timeout_s,
+                           connect=lambda: connect_client(str(host), int(port))) \
+            if isinstance(host, str) and isinstance(port, int) else None
         pool = self._pool
-        return SpareGate(getattr(store, "underlying_store", store), max_nodes, self._standing_by,
+        gate = SpareGate(job_store, max_nodes, self._standing_by,
                          ready=lambda: pool is None or pool.workers_ready(),
-                         on_warm=lambda: self._standing_by(None)).wait()
+                         on_warm=lambda: self._standing_by(None), seats=seats, offender=self._aside)
+        try:
+            return gate.wait()
+        finally:
+            if gate.beat is not None:
+                self._seat_beat = gate.beat
 
     def _standing_by(self, job_nodes: int | None) -> None:
         """This agent stands by as a spare (``job_nodes``: the job's nodes), or its standbys just
@@ -143,11 +158,15 @@ class MembershipPath:
 
     def _stand_aside(self, g: int) -> RunResult | None:
         """This node is a repeat offender: out of torch's round, and to the spare gate as a node
-        that holds no rank; None when a seat opens for it again, a RunResult when the job ended."""
+        that holds no rank, behind every other spare waiting there (``SpareGate(offender=True)``);
+        None when a seat opens for it again, a RunResult when the job ended."""
         leave_round(self._worker_group.spec.rdzv_handler)
         self._held_rank = None
+        self._aside = True
         try:
             self._join()
         except JobEnded as exc:
             return self._ended(exc)
+        finally:
+            self._aside = False
         return None

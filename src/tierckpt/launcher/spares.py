@@ -18,21 +18,31 @@ list, the job restarts for a membership change, and the spare can take a live no
 (seen at load average 9 here). So an agent that finds the job running on ``max_nodes`` waits at
 a **gate** in the job store before torch's rendezvous: it draws a ticket (arrival order) and
 enters the rendezvous only when the survivors of a lost node have opened a seat for it
-(``open_seats``); one seat, one spare. The redundancy list remains for an agent that arrives
-while the first round forms; ``SpareWatch`` reports it. An agent that finds the job below its
-maximum goes on into the rendezvous and counts itself in ``arrivals``, which the running agents
-read at each poll (a ``MembershipChange``): after a regroup torch's own wait list did not show
-the new node to the survivor (seen in ``test_elastic_job_shrinks_...``).
+(``open_seats``); one seat, one spare. An agent that arrives while the first round forms (no
+node count published yet: spare pods start with the worker pods) takes one of the first round's
+``max_nodes`` seats first (seats.py: a restarted launcher gets its own seat back; a spare takes
+the seat of a holder that went silent before the round formed); without one it stands by here
+until the round formed, then goes on at the gate as above, so no spare ever waits in torch's
+redundancy list. ``SpareWatch`` still reports an agent found there. An agent that finds the job
+below its maximum goes on into the rendezvous and counts itself in ``arrivals``, which the
+running agents read at each poll (a ``MembershipChange``): after a regroup torch's own wait list
+did not show the new node to the survivor (seen in ``test_elastic_job_shrinks_...``). A repeat
+offender standing aside (``offender=True``, avoid.py) marks its tickets and passes a seat on to
+the next ticket while a spare that is no offender waits behind it, drawing a new ticket at the
+back. A spare of a finished job leaves once every node called ``finished`` (it may host the store).
 
 Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
 
-    since = SpareGate(job_store, max_nodes, on_standby).wait()   # returns when admitted
+    gate = SpareGate(job_store, max_nodes, on_standby, seats=FirstSeats(identity, stale_s, connect))
+    since = gate.wait()                            # returns when admitted (or seated in the first round)
     with SpareWatch(handler, on_standby=lambda job_nodes: ...) as watch:
         handler.next_rendezvous()
+    gate.beat                                      # a first-round seat holder's beat: ends once the round formed
     publish_nodes(job_store, nnodes)               # group rank 0, after every round or regroup
     ...survivors, going to a new round after losing k nodes:  open_seats(job_store, g, node, k)
     watch.since        # when this agent began standing by as a spare (None: it never did)
     report_round(events, generation, change, node=..., spare_since=watch.since)   # after the round
+    finished(job_store)                            # every node of a finished job, after its exit barrier
 """
 
 from __future__ import annotations
@@ -43,8 +53,9 @@ from typing import Any
 
 from tierckpt.launcher.membership import Change
 from tierckpt.launcher.rdzvwait import WhileBlocked
+from tierckpt.launcher.seats import FirstSeats, SeatBeat, SeatWatch, take
 
-__all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "open_seats", "publish_nodes", "report_round",
+__all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "finished", "open_seats", "publish_nodes", "report_round",
            "spares_waiting", "standing_by"]
 
 _NODES = "tierckpt/run/nodes"  # nodes of the running round (group rank 0 sets it after each round)
@@ -52,6 +63,8 @@ _SEATS = "tierckpt/run/seats"  # seats opened for spares so far (survivors add t
 _TICKETS = "tierckpt/run/spare-tickets"  # spares that came to the gate so far (arrival order)
 _ARRIVALS = "tierckpt/run/arrivals"  # agents that passed the gate into a job below its maximum
 _DONE = "tierckpt/run/done/0"  # JobControl.mark_done of group rank 0: the job finished
+_FINISHED = "tierckpt/run/finished"  # nodes of a finished job past their exit barrier
+_OFFENDER = "tierckpt/run/spare-tickets/offender/"  # <ticket>: drawn by a repeat offender standing aside
 
 
 class JobEnded(Exception):  # noqa: N818 - a way out of the gate, not an error
@@ -76,6 +89,12 @@ def open_seats(store: Any, generation: int, node: int, count: int) -> bool:
     return True
 
 
+def finished(store: Any) -> None:
+    """This node of a finished job passed its exit barrier: a spare at the gate (which may host
+    the store) leaves once every node did (``SpareGate``)."""
+    store.add(_FINISHED, 1)
+
+
 def arrivals(store: Any) -> int:
     """Agents admitted so far into a running job below its maximum (one store operation)."""
     return int(store.add(_ARRIVALS, 0))
@@ -88,11 +107,15 @@ def spares_waiting(store: Any) -> int:
 
 class SpareGate:
     """Holds an agent that arrives while the job runs on ``max_nodes`` until a seat opens; see the
-    module doc. ``wait`` returns the time it began standing by (None: the job had room)."""
+    module doc. ``wait`` returns the time it began standing by (None: it never stood by). With
+    ``seats`` (seats.py) an agent that arrives before the first round formed takes a seat of that
+    round first, or stands by; ``beat`` is then its seat's beat, for the agent to stop after the round."""
 
     def __init__(self, store: Any, max_nodes: int, on_standby: Callable[[int], None], *,
                  ready: Callable[[], bool] = lambda: True, ready_timeout_s: float = 60.0,
-                 on_warm: Callable[[], None] = lambda: None, poll_s: float = 0.2) -> None:
+                 on_warm: Callable[[], None] = lambda: None, poll_s: float = 0.2,
+                 seats: FirstSeats | None = None, seat_poll_s: float = 1.0, linger_s: float = 60.0,
+                 offender: bool = False) -> None:
         self.store = store
         self.max_nodes = max_nodes
         self.on_standby = on_standby
@@ -100,10 +123,25 @@ class SpareGate:
         self.ready_timeout_s = ready_timeout_s
         self.on_warm = on_warm  # a standing-by spare's standbys finished their imports (once)
         self.poll_s = poll_s
+        self.seats = seats
+        self.seat_poll_s = seat_poll_s  # how often a spare reads the first round's seats (2 operations a seat)
+        self.beat: SeatBeat | None = None  # this agent's first-round seat's beat (seats.py)
+        self.linger_s = linger_s  # how long a spare of a finished job waits for its nodes to leave the store
+        self.offender = offender  # a repeat offender standing aside: other waiting spares go first
+        self._since: float | None = None  # when it began standing by
+        self._warm = False
 
     def wait(self) -> float | None:
         """Block until admitted; raise ``JobEnded`` when the job finished meanwhile."""
         st = self.store
+        try:
+            if self.seats is not None and not st.check([_NODES]) and not st.check([_DONE]) \
+                    and self._first_round(self.seats):
+                return self._since  # a seat of the first round: into torch's round
+        except JobEnded:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store's host left: the job is over
+            raise JobEnded(f"the job's store went away while this node stood by as a spare: {exc}") from exc
         nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
         if st.check([_DONE]):
             return None
@@ -114,24 +152,84 @@ class SpareGate:
                 while not self.ready() and time.monotonic() < deadline:
                     time.sleep(self.poll_s)
                 st.add(_ARRIVALS, 1)
-            return None
-        ticket = int(st.add(_TICKETS, 1))
-        since = time.time()
-        self.on_standby(nodes)
-        warm = False
+            return self._since
+        ticket = self._draw()
+        self._stand_by(nodes)
         try:
-            while int(st.add(_SEATS, 0)) < ticket:
-                if not warm and self.ready():
-                    warm = True
-                    self.on_warm()
+            while True:
+                seats = int(st.add(_SEATS, 0))
+                if seats >= ticket:
+                    if not (self.offender and self._others_waiting(seats)):
+                        break
+                    ticket = self._draw()  # a repeat offender yields: to the back of the line, and
+                    st.add(_SEATS, 1)  # its seat to the next ticket (waiting spares stay T - S)
+                    continue
+                self._warm_up()
                 if st.check([_DONE]):
-                    raise JobEnded("the job finished while this node stood by as a spare")
+                    raise self._finished()
                 time.sleep(self.poll_s)
         except JobEnded:
             raise
         except Exception as exc:  # noqa: BLE001 - the store's host left: the job is over
             raise JobEnded(f"the job's store went away while this node stood by as a spare: {exc}") from exc
-        return since
+        return self._since
+
+    def _draw(self) -> int:
+        """A ticket at the gate, marked when this agent is a repeat offender."""
+        ticket = int(self.store.add(_TICKETS, 1))
+        if self.offender:
+            self.store.set(f"{_OFFENDER}{ticket}", b"1")
+        return ticket
+
+    def _others_waiting(self, seats: int) -> bool:
+        """A spare that is no repeat offender holds a ticket not yet admitted (one read a ticket)."""
+        drawn = int(self.store.add(_TICKETS, 0))
+        return any(not self.store.check([f"{_OFFENDER}{t}"]) for t in range(seats + 1, drawn + 1))
+
+    def _first_round(self, seats: FirstSeats) -> bool:
+        """Before the first round formed: True when this agent holds a seat of it (drawn, given back,
+        or taken from a holder that went silent); False when the round formed meanwhile (the
+        ordinary gate decides then). Raises ``JobEnded``."""
+        st = self.store
+        seat = take(st, seats.identity, self.max_nodes)
+        if seat is None:
+            self._stand_by(0)
+            watch = SeatWatch(st, seats.identity, self.max_nodes, seats.stale_s)
+            next_look = 0.0
+            while seat is None:
+                if st.check([_NODES]):
+                    return False
+                if st.check([_DONE]):
+                    raise self._finished()
+                self._warm_up()
+                if time.monotonic() >= next_look:
+                    next_look = time.monotonic() + self.seat_poll_s
+                    seat = watch.poll()
+                if seat is None:
+                    time.sleep(self.poll_s)
+        self.beat = SeatBeat(seats.connect, seat).start()
+        return True
+
+
+    def _finished(self) -> JobEnded:
+        """The job finished: linger until every node of it passed its exit barrier (``finished``),
+        at most ``linger_s``, since this agent may host the job's store (``is_host``), which the
+        nodes use until then; a spare that left at once took the store from under them."""
+        st = self.store
+        nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
+        deadline = time.monotonic() + self.linger_s
+        while int(st.add(_FINISHED, 0)) < nodes and time.monotonic() < deadline:
+            time.sleep(self.poll_s)
+        return JobEnded("the job finished while this node stood by as a spare")
+    def _stand_by(self, nodes: int) -> None:
+        if self._since is None:
+            self._since = time.time()
+            self.on_standby(nodes)
+
+    def _warm_up(self) -> None:
+        if not self._warm and self.ready():
+            self._warm = True
+            self.on_warm()
 
 
 def standing_by(handler: Any) -> int | None:

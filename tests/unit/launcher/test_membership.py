@@ -26,7 +26,15 @@ from tierckpt.launcher.membership import (
 )
 from tierckpt.launcher.offenders import NodeFault, OffenderPolicy, attribute
 from tierckpt.launcher.ranks import Claim
-from tierckpt.launcher.spares import JobEnded, SpareGate, arrivals, open_seats, publish_nodes, spares_waiting
+from tierckpt.launcher.spares import (
+    JobEnded,
+    SpareGate,
+    arrivals,
+    finished,
+    open_seats,
+    publish_nodes,
+    spares_waiting,
+)
 
 
 @pytest.fixture
@@ -164,6 +172,8 @@ def test_gate_releases_a_spare_when_the_job_finishes(store: Any) -> None:
     t.start()
     time.sleep(0.1)
     store.set("tierckpt/run/done/0", b"1")
+    finished(store)  # both nodes passed their exit barrier (a spare that hosts the store waits for them)
+    finished(store)
     t.join(5)
     assert errors and "finished" in str(errors[0])
 
