@@ -109,6 +109,20 @@ class HostJob:
     def resumed(self, rank: int, generation: int) -> dict[str, Any] | None:
         return next((e for e in self.trace(rank) if e["event"] == "resumed" and e["generation"] == generation), None)
 
+    def resumed_last(self, ranks: Sequence[int]) -> tuple[int, dict[int, dict[str, Any]]]:
+        """The newest generation (rank 0's) and every rank's ``resumed`` event in it; fails, with
+        the report, when a rank did not resume from a step there."""
+        gen = max(e["generation"] for e in self.trace(0))
+        got = {r: self.resumed(r, gen) for r in ranks}
+        assert all(v is not None and v["step"] is not None for v in got.values()), (got, self.report())
+        return gen, {r: v for r, v in got.items() if v is not None}
+
+    def form(self, hosts: Sequence[Host], timeout: float = 180) -> None:
+        """``start`` and wait until every launcher started its workers (the first round formed)."""
+        self.start(hosts)
+        self.wait_for(lambda: all(any(e["event"] == "started" for e in self.events(h.name)) for h in hosts),
+                      timeout, " and ".join(h.name for h in hosts) + " form the job")
+
     def worker_pid(self, rank: int) -> int:
         """The worker's PID as its host sees it (signal it with ``host.run(["kill", ...])``)."""
         return int((self.work / f"pid_rank{rank}").read_text())

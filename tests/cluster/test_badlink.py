@@ -78,9 +78,7 @@ def _scenario(cluster: Cluster, tmp: Path, *, bad: bool) -> dict[str, Any]:
     codes = job.wait_exit(300, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
 
-    gen = max(e["generation"] for e in job.trace(0))
-    resumed = {r: job.resumed(r, gen) for r in RANKS}
-    assert all(v is not None and v["step"] is not None for v in resumed.values()), (resumed, job.report())
+    gen, resumed = job.resumed_last(RANKS)
     step = resumed[0]["step"]
     assert resumed[1]["step"] == step and step >= replica_step >= 1, (resumed, replica_step)
     assert "peer" in (resumed[1]["tiers"] or []), resumed  # the replacement's own memory was empty

@@ -66,9 +66,7 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     # 0.3 s steps: the job outlasts the spare's start-up and warm-up on a loaded machine
     job = HostJob(cluster, tmp_path / "job", nnodes="2:2", train=["--steps", str(steps), "--step-time", "0.3"],
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
-    job.start([h0, h1])
-    job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(h.name)) for h in (h0, h1)), 180,
-                 "h0 and h1 form the job")
+    job.form([h0, h1])
     h2 = cluster.add_host()  # the round is complete: its launcher can only stand by
     job.start_node(h2, 2)
     spare = job.wait_for(lambda: next((e for e in job.events(h2.name) if e["event"] == "spare"), None), 180,
@@ -203,9 +201,7 @@ def test_partitioned_host_is_replaced_by_the_spare_and_stays_out_when_its_link_r
     h0, h1 = cluster.add_host(), cluster.add_host()
     job = HostJob(cluster, tmp_path / "job", nnodes="2:2", train=["--steps", str(steps), "--step-time", "0.3"],
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
-    job.start([h0, h1])
-    job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(h.name)) for h in (h0, h1)), 180,
-                 "h0 and h1 form the job")
+    job.form([h0, h1])
     h2 = cluster.add_host()
     job.start_node(h2, 2)
     job.wait_for(lambda: any(e["event"] == "spare" and e["state"] == "warm" for e in job.events(h2.name)), 180,

@@ -6,29 +6,14 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from tests.unit.launcher.conftest import client as _client
 from tierckpt.launcher.avoid import RepeatOffenders, leave_round
 from tierckpt.launcher.membership import MEMBERSHIP_CHANGE
 from tierckpt.launcher.offenders import OffenderPolicy
-
-
-@pytest.fixture
-def server() -> Iterator[Any]:
-    import torch.distributed as dist
-
-    yield dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
-                        timeout=datetime.timedelta(seconds=10))
-
-
-def _client(server: Any) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", server.port, is_master=False,  # type: ignore[attr-defined]
-                         timeout=datetime.timedelta(seconds=10))
 
 
 def _claim(g: int, node: int | None, t: float, reason: str = "Crash") -> dict[str, Any]:

@@ -3,10 +3,8 @@ the spare gate on a real TCPStore (``spares.py``)."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -38,11 +36,8 @@ from tierckpt.launcher.spares import (
 
 
 @pytest.fixture
-def store() -> Iterator[Any]:
-    import torch.distributed as dist
-
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
-    yield server
+def store(server: Any) -> Any:
+    return server  # conftest.py: a real TCPStore
 
 
 # ---- membership.Change ----

@@ -4,19 +4,19 @@ that dies before the round formed is a real process killed with SIGKILL."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.unit.launcher.conftest import client as _client
 from tierckpt.launcher import seats
 from tierckpt.launcher.seats import FirstSeats, SeatBeat, SeatWatch, holder, take
 from tierckpt.launcher.spares import (
@@ -30,21 +30,6 @@ from tierckpt.launcher.spares import (
 )
 
 SRC = str(Path(__file__).resolve().parents[3] / "src")
-
-
-@pytest.fixture
-def server() -> Iterator[Any]:
-    import torch.distributed as dist
-
-    yield dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,  # type: ignore[attr-defined]
-                        timeout=datetime.timedelta(seconds=10))
-
-
-def _client(server: Any) -> Any:
-    import torch.distributed as dist
-
-    return dist.TCPStore("127.0.0.1", server.port, is_master=False,  # type: ignore[attr-defined]
-                         timeout=datetime.timedelta(seconds=10))
 
 
 def _seats(server: Any, identity: str, stale_s: float = 1.0) -> FirstSeats:
