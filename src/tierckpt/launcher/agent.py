@@ -653,6 +653,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             return None
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
+        resume.offer_non_finite(self.ctl.store, g, min(
+            (t.step for t in self._trackers.values() if t.non_finite and t.step is not None), default=None))
         self.ctl.stopped(g)
         claims = [_fault_of(r) for r in self.ctl.history(g)]
         self._count(claims)
@@ -663,6 +665,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         all_here = fault.get("reason") not in ("LostNode", MEMBERSHIP_CHANGE, "LostStore") and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
         # after the stop barrier every node's mark for g is in: all compute the same bound
+        low = resume.lowest_non_finite(self.ctl.store, g) if fault.get("reason") == NON_FINITE_LOSS else None
+        if low is not None and low < int(fault.get("resume_before", fault.get("step")) or low + 1):
+            fault = {**fault, "resume_before": low}  # another node saw the NaN a step earlier than the claim
         self.resume_before = resume.advance(self.resume_before, fault,
                                             resume.passed(self.ctl.store, g, self.nnodes))
         if decision.action != Action.RESTART:

@@ -62,6 +62,26 @@ def passed(store: Any, generation: int, nnodes: int) -> bool:
     return int(store.add(f"{_P}past/{generation}", 0)) >= nnodes
 
 
+def offer_non_finite(store: Any, generation: int, step: int | None) -> None:
+    """This node's lowest non-finite step of ``generation``, offered before its stop ack; the
+    lowest offer of all nodes wins (the NaN rank's node sees it a step before the others, whose
+    ranks get it through the all-reduce, and either may win the fault claim)."""
+    if step is None:
+        return
+    key, expected = f"{_P}nonfinite/{generation}", b""
+    while True:
+        got = bytes(store.compare_set(key, expected, str(step).encode()))
+        if int(got) <= step:
+            return
+        expected = got
+
+
+def lowest_non_finite(store: Any, generation: int) -> int | None:
+    """The lowest non-finite step any node offered for ``generation`` (read after the stop barrier)."""
+    key = f"{_P}nonfinite/{generation}"
+    return int(store.get(key)) if store.check([key]) else None
+
+
 def offer(store: Any, generation: int, bound: int | None) -> None:
     """This node's bound for ``generation`` (from its restart-state file); the first offer wins."""
     if bound is not None:

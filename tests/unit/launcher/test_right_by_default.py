@@ -243,3 +243,19 @@ def test_events_carry_node_index_and_host(tmp_path: Path) -> None:
     never.emit("exit", generation=0, code=2)
     never.close()  # never joined: written without an index rather than lost
     assert [json.loads(x)["node"] for x in (tmp_path / "never.jsonl").read_text().splitlines()] == [None]
+
+
+def test_the_lowest_non_finite_step_any_node_offers_is_the_bound(server: Any) -> None:
+    """The node whose claim wins may have seen the NaN a step later (through the all-reduce) than
+    the NaN rank's node: the bound is the lowest offer, whatever the order (a real TCPStore).
+    Seen in the slow tier before the fix: the bound came out 9 for a NaN at step 8."""
+    from tierckpt.launcher import resume
+
+    assert resume.lowest_non_finite(server, 3) is None
+    resume.offer_non_finite(server, 3, 9)
+    resume.offer_non_finite(server, 3, None)  # a node whose ranks saw no NaN offers nothing
+    assert resume.lowest_non_finite(server, 3) == 9
+    resume.offer_non_finite(server, 3, 8)
+    resume.offer_non_finite(server, 3, 10)
+    assert resume.lowest_non_finite(server, 3) == 8
+    assert resume.lowest_non_finite(server, 4) is None  # per generation
