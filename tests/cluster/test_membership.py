@@ -57,6 +57,18 @@ def _agents(job: HostJob, name: str) -> dict[str, Any]:
     return next(e for e in job.events(name) if e["event"] == "agent")
 
 
+def _spare_took_rank_1(job: HostJob, h1: Host, h2: Host) -> tuple[int, dict[str, Any]]:
+    """Wait until the spare on ``h2`` joined as node 1 in ``h1``'s place and both ranks train in
+    the generation it joined; that generation and the spare's ``joined`` event."""
+    joined = job.wait_for(lambda: next((e for e in job.events(h2.name) if e["event"] == "spare"
+                                        and e["state"] == "joined"), None), 120, "the spare joins")
+    assert joined["node"] == 1 and joined["replaced"] == f"{h1.name}:{MEMORY}", joined
+    gen = int(joined["generation"])
+    for r in RANKS:
+        job.wait_for(lambda r=r: _first_step_after(job, r, gen), 120, f"rank {r} trains in generation {gen}")
+    return gen, joined
+
+
 def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -> None:
     """``--nnodes 2:2`` on h0 + h1, a spare host h2 started once the job runs; h1 is killed; h2
     takes rank 1 in the next round (no full job restart), resumes it from h0's replica bit for bit,
@@ -83,12 +95,7 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     at_kill = min(job.last_step(r) for r in RANKS)
     t_kill = time.time()
     h1.kill()
-    joined = job.wait_for(lambda: next((e for e in job.events(h2.name) if e["event"] == "spare"
-                                        and e["state"] == "joined"), None), 120, "the spare joins")
-    assert joined["node"] == 1 and joined["replaced"] == f"{h1.name}:{MEMORY}", joined
-    gen = int(joined["generation"])
-    for r in RANKS:
-        job.wait_for(lambda r=r: _first_step_after(job, r, gen), 120, f"rank {r} trains in generation {gen}")
+    gen, joined = _spare_took_rank_1(job, h1, h2)
     back = max(_first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_kill
     fault = next(e for e in job.events(h0.name) if e["event"] == "fault")
     codes = job.wait_exit(300, [h0.name, h2.name])
@@ -209,12 +216,7 @@ def test_partitioned_host_is_replaced_by_the_spare_and_stays_out_when_its_link_r
     job.wait_for(lambda: _newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
     t_cut = time.time()
     h1.link(up=False)
-    joined = job.wait_for(lambda: next((e for e in job.events(h2.name) if e["event"] == "spare"
-                                        and e["state"] == "joined"), None), 120, "the spare joins")
-    assert joined["node"] == 1 and joined["replaced"] == f"{h1.name}:{MEMORY}", joined
-    gen = int(joined["generation"])
-    for r in RANKS:
-        job.wait_for(lambda r=r: _first_step_after(job, r, gen), 120, f"rank {r} trains in generation {gen}")
+    gen, joined = _spare_took_rank_1(job, h1, h2)
     back = max(_first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_cut
     t_heal = time.time()
     h1.link(up=True)

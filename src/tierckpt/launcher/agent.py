@@ -458,10 +458,14 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         steps = [t.step for t in self._trackers.values() if t.step is not None]
         return max(steps) if steps else None
 
+    def _nan_step(self) -> int | None:
+        """The lowest step at which a local rank beat a non-finite loss this generation, if any."""
+        return min((t.step for t in self._trackers.values() if t.non_finite and t.step is not None), default=None)
+
     def _record(self, reason: str, rank: int | None, detail: str, *, since: float | None,
                 node: int | None = None) -> dict[str, Any]:
         now = time.monotonic()
-        nan_steps = [t.step for t in self._trackers.values() if t.non_finite and t.step is not None]
+        nan_step = self._nan_step() if reason == NON_FINITE_LOSS else None
         return {
             "generation": self.generation, "time": time.time(), "generation_started": self._gen_started,
             "reason": reason, "node": self.node if node is None else node, "rank": rank,
@@ -469,9 +473,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             # a non-finite loss: the step of the first non-finite beat seen (a NaN that comes back
             # at that step is no progress, however far the worker ran before the poll); the next
             # generations resume below it
-            "step": min(nan_steps) if reason == NON_FINITE_LOSS and nan_steps else self._progress(),
+            "step": nan_step if nan_step is not None else self._progress(),
             "resumed_step": self.resumed_step,
-            "resume_before": min(nan_steps) if reason == NON_FINITE_LOSS and nan_steps else None,
+            "resume_before": nan_step,
             # from the last sign of life (a crash: the SIGCHLD wake-up) to now
             "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),
         }
@@ -653,8 +657,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             return None
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
-        resume.offer_non_finite(self.ctl.store, g, min(
-            (t.step for t in self._trackers.values() if t.non_finite and t.step is not None), default=None))
+        resume.offer_non_finite(self.ctl.store, g, self._nan_step())
         self.ctl.stopped(g)
         claims = [_fault_of(r) for r in self.ctl.history(g)]
         self._count(claims)
@@ -665,11 +668,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         all_here = fault.get("reason") not in ("LostNode", MEMBERSHIP_CHANGE, "LostStore") and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
         # after the stop barrier every node's mark for g is in: all compute the same bound
-        low = resume.lowest_non_finite(self.ctl.store, g) if fault.get("reason") == NON_FINITE_LOSS else None
-        if low is not None and low < int(fault.get("resume_before", fault.get("step")) or low + 1):
-            fault = {**fault, "resume_before": low}  # another node saw the NaN a step earlier than the claim
         self.resume_before = resume.advance(self.resume_before, fault,
-                                            resume.passed(self.ctl.store, g, self.nnodes))
+                                            resume.passed(self.ctl.store, g, self.nnodes),
+                                            resume.lowest_non_finite(self.ctl.store, g))
         if decision.action != Action.RESTART:
             return self._finish(decision, all_here)
         out = self._keep_out(fault, g) if all_here else KeepOut()  # repeat offenders to do without (avoid.py)

@@ -30,17 +30,20 @@ NON_FINITE_LOSS = "NonFiniteLoss"
 _P = "tierckpt/run/resume/"
 
 
-def advance(bound: int | None, fault: Mapping[str, Any], moved: bool) -> int | None:
+def advance(bound: int | None, fault: Mapping[str, Any], moved: bool, lowest: int | None = None) -> int | None:
     """The bound of the generation after ``fault``'s (pure).
 
     ``bound``: the bound its generation ran under; ``moved``: that generation moved past it on
-    every node (``passed``). A non-finite loss at step N sets the bound to N (to the lower of
-    the two when one is still set).
+    every node (``passed``); ``lowest``: the lowest non-finite step any node offered
+    (``lowest_non_finite``). A non-finite loss at step N (the claim's, or ``lowest`` when lower)
+    sets the bound to N (to the lower of the two when one is still set).
     """
     if bound is not None and moved:
         bound = None
     if fault.get("reason") == NON_FINITE_LOSS:
         step = fault.get("resume_before", fault.get("step"))
+        if lowest is not None:
+            step = min(step, lowest) if isinstance(step, int) else lowest
         if isinstance(step, int):
             bound = step if bound is None else min(bound, step)
     return bound

@@ -259,3 +259,7 @@ def test_the_lowest_non_finite_step_any_node_offers_is_the_bound(server: Any) ->
     resume.offer_non_finite(server, 3, 10)
     assert resume.lowest_non_finite(server, 3) == 8
     assert resume.lowest_non_finite(server, 4) is None  # per generation
+    claim = {"reason": "NonFiniteLoss", "step": 9, "resume_before": 9}
+    assert resume.advance(None, claim, False, lowest=8) == 8  # the claim said 9: the lowest offer wins
+    assert resume.advance(None, claim, False, lowest=None) == 9
+    assert resume.advance(None, {"reason": "Crash", "step": 9}, False, lowest=8) is None  # only after a NaN
