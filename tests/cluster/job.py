@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -31,6 +32,15 @@ from tierckpt.bench.twonode import read_jsonl
 NS = "scn"
 RDZV_PORT = 29400
 AGENT_PORT = 7601
+#: the memory tier every host's agent uses (each host has its own /dev/shm)
+MEMORY = "/dev/shm/tierckpt"
+
+
+def newest_replica(host: Host, ns: str = "*") -> int:
+    """The newest committed step of ``ns``'s replicas in ``host``'s memory tier, ``-1`` when it holds none
+    (``find`` tolerates the steps that retention deletes while it walks)."""
+    found = host.run(["sh", "-c", f"find {MEMORY}/.replicas -path '*/{ns}/step_*/COMMITTED'"], check=False).stdout
+    return max((int(m) for m in re.findall(r"step_(\d+)/COMMITTED", found)), default=-1)
 
 
 def host_env(**extra: str) -> dict[str, str]:

@@ -19,8 +19,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, HostJob
-from tests.cluster.test_run import _newest_replica
+from tests.cluster.job import AGENT_PORT, HostJob, newest_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two jobs of ~2 min each, more on a loaded box
 
@@ -64,8 +63,8 @@ def _scenario(cluster: Cluster, tmp: Path, *, bad: bool) -> dict[str, Any]:
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
     job.start([h0, h1])
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 240, "both ranks reach step 8")
-    job.wait_for(lambda: _newest_replica(h0) >= 1, 120, "host 0 holds a replica of node 1")
-    replica_step = _newest_replica(h0)
+    job.wait_for(lambda: newest_replica(h0) >= 1, 120, "host 0 holds a replica of node 1")
+    replica_step = newest_replica(h0)
     t_kill = time.time()
     h1.kill()
     fault = job.wait_for(lambda: next((e for e in job.events(h0.name) if e["event"] == "fault"), None),

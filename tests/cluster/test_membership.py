@@ -18,44 +18,33 @@ step copied to the other host). The loopback versions are ``tests/launcher/test_
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
 
 import pytest
 
 from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, NS, HostJob
+from tests.cluster.job import AGENT_PORT, MEMORY, NS, HostJob, newest_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # three launchers on a loaded 2-core box
 
 RANKS = (0, 1)
-MEMORY = "/dev/shm/tierckpt"
+
 #: a load from memory or from the surviving peer takes well under a second here; an agent that
 #: still lists a lost host waits its 10 s peer deadline (``AgentLimits.peer_deadline_s``)
 LOAD_BOUND_S = 5.0
-
-
-def _newest_replica(host: Host, ns: str) -> int:
-    """The newest committed step of ``ns``'s replicas in ``host``'s memory tier (-1: none)."""
-    found = host.run(["sh", "-c", f"find {MEMORY}/.replicas -path '*/{ns}/step_*/COMMITTED'"], check=False).stdout
-    return max((int(m) for m in re.findall(r"step_(\d+)/COMMITTED", found)), default=-1)
-
 
 def _first_step_after(job: HostJob, rank: int, generation: int) -> float | None:
     times = [e["time"] for e in job.trace(rank) if e["event"] == "step" and e["generation"] >= generation]
     return min(times) if times else None
 
-
 def _saved(job: HostJob, rank: int, before: int) -> dict[int, str]:
     """step -> parameter digest that ``rank`` recorded in generations below ``before``."""
     return {e["step"]: e["digest"] for e in job.trace(rank) if e["event"] == "step" and e["generation"] < before}
 
-
 def _agents(job: HostJob, name: str) -> dict[str, Any]:
     """The ``agent`` event of ``name``'s launcher: its hosted node agent's address."""
     return next(e for e in job.events(name) if e["event"] == "agent")
-
 
 def _spare_took_rank_1(job: HostJob, h1: Host, h2: Host) -> tuple[int, dict[str, Any]]:
     """Wait until the spare on ``h2`` joined as node 1 in ``h1``'s place and both ranks train in
@@ -67,7 +56,6 @@ def _spare_took_rank_1(job: HostJob, h1: Host, h2: Host) -> tuple[int, dict[str,
     for r in RANKS:
         job.wait_for(lambda r=r: _first_step_after(job, r, gen), 120, f"rank {r} trains in generation {gen}")
     return gen, joined
-
 
 def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -> None:
     """``--nnodes 2:2`` on h0 + h1, a spare host h2 started once the job runs; h1 is killed; h2
@@ -90,8 +78,8 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= step_then + 10, 60, "10 more steps with a spare")
     assert not [e for e in job.events() if e["event"] in ("fault", "restart")], job.report()
     assert {e["generation"] for r in RANKS for e in job.trace(r)} == {0}
-    job.wait_for(lambda: _newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
-    replica_at_kill = _newest_replica(h0, f"{NS}--rank1")
+    job.wait_for(lambda: newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
+    replica_at_kill = newest_replica(h0, f"{NS}--rank1")
     at_kill = min(job.last_step(r) for r in RANKS)
     t_kill = time.time()
     h1.kill()
@@ -125,14 +113,13 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
         assert job.last_step(r, generation=gen) == steps
     # after the replacement both ways replicate: the survivor's newest step reached the spare's
     # host (h0 must have learned h2's agent address), and the spare's reached h0
-    assert _newest_replica(h2, f"{NS}--rank0") > step, (_newest_replica(h2, f"{NS}--rank0"), step, job.report())
-    assert _newest_replica(h0, f"{NS}--rank1") > step, (_newest_replica(h0, f"{NS}--rank1"), step)
+    assert newest_replica(h2, f"{NS}--rank0") > step, (newest_replica(h2, f"{NS}--rank0"), step, job.report())
+    assert newest_replica(h0, f"{NS}--rank1") > step, (newest_replica(h0, f"{NS}--rank1"), step)
     print(f"\nspare host: {fault['reason']} {fault['time'] - t_kill:.2f}s after the kill of {h1.name}; "
           f"{h2.name} ({h2.ip}, agent {_agents(job, h2.name)['address']}) joined as node 1 "
           f"{joined['time'] - t_kill:.2f}s after it (stood by {joined['standby_s']:.1f}s); both ranks training "
           f"again {back:.2f}s after the kill; resumed step {step} (ranks were at {at_kill}, h0's replica of "
           f"rank 1 at {replica_at_kill}; tiers {resumed[1]['tiers']})")
-
 
 def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster, tmp_path: Any) -> None:
     """``--nnodes 1:2`` on h0 + h1: h1 is killed, h0 goes on alone through the regroup (no
@@ -145,7 +132,7 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
     job.start([h0, h1])
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 180, "both ranks reach step 8")
-    job.wait_for(lambda: _newest_replica(h0, NS) >= 1, 60, "h0 holds a replica of h1's files")
+    job.wait_for(lambda: newest_replica(h0, NS) >= 1, 60, "h0 holds a replica of h1's files")
     at_kill = job.last_step(0)
     t_kill = time.time()
     h1.kill()
@@ -192,12 +179,11 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
     assert max(b["load_s"] for b in both) < LOAD_BOUND_S, both
     assert all(job.last_step(r, generation=g2) == steps for r in RANKS)
     # the grown job replicates both ways again (h0 learned h2's agent address)
-    assert _newest_replica(h2, NS) > both[0]["step"], (_newest_replica(h2, NS), both[0]["step"], job.report())
-    assert _newest_replica(h0, NS) > both[0]["step"], (_newest_replica(h0, NS), both[0]["step"])
+    assert newest_replica(h2, NS) > both[0]["step"], (newest_replica(h2, NS), both[0]["step"], job.report())
+    assert newest_replica(h0, NS) > both[0]["step"], (newest_replica(h0, NS), both[0]["step"])
     print(f"\nelastic on hosts: kill of {h1.name} -> rank 0 training alone {alone:.2f}s (regroup, resumed step "
           f"{resumed['step']}, was at {at_kill}); {h2.name} started -> both ranks training "
           f"{both_back - t_arrive:.2f}s (resumed step {both[0]['step']}, rank 1 tiers {both[1]['tiers']})")
-
 
 def test_partitioned_host_is_replaced_by_the_spare_and_stays_out_when_its_link_returns(
         cluster: Cluster, tmp_path: Any) -> None:
@@ -213,7 +199,7 @@ def test_partitioned_host_is_replaced_by_the_spare_and_stays_out_when_its_link_r
     job.start_node(h2, 2)
     job.wait_for(lambda: any(e["event"] == "spare" and e["state"] == "warm" for e in job.events(h2.name)), 180,
                  "the spare stands by, warm")
-    job.wait_for(lambda: _newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
+    job.wait_for(lambda: newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
     t_cut = time.time()
     h1.link(up=False)
     gen, joined = _spare_took_rank_1(job, h1, h2)

@@ -16,7 +16,6 @@ capped link is the yardstick. Printed: the table that docs/benchmarks.md quotes.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, NS, HostJob
+from tests.cluster.job import AGENT_PORT, NS, HostJob, newest_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two jobs of ~2 min each, more on a loaded box
 
@@ -67,7 +66,7 @@ def _scenario(cluster: Cluster, tmp: Path, *, prefetch: bool) -> dict[str, Any]:
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
     job.start([h0, h1])
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 10, 240, "both ranks reach step 10")
-    job.wait_for(lambda: _newest_replica(h0, f"{NS}--rank1") >= 5, 180, "host 0 holds a replica of rank 1's step 5+")
+    job.wait_for(lambda: newest_replica(h0, f"{NS}--rank1") >= 5, 180, "host 0 holds a replica of rank 1's step 5+")
     t_kill = time.time()
     h1.kill()
     job.wait_for(lambda: any(e["event"] == "fault" for e in job.events(h0.name)), 60, "the survivor notices")
@@ -144,11 +143,6 @@ def _socket_copy(src: Host, dst: Host, nbytes: int) -> float:
     recv.stdout.close()
     return float(json.loads(sent.stdout.strip().splitlines()[-1])["seconds"])
 
-
-def _newest_replica(host: Host, ns: str) -> int:
-    found = host.run(["sh", "-c", f"find /dev/shm/tierckpt/.replicas -path '*/{ns}/step_*/COMMITTED'"],
-                     check=False).stdout
-    return max((int(m) for m in re.findall(r"step_(\d+)/COMMITTED", found)), default=-1)
 
 
 def _fetched_bytes(host: Host, ns: str, step: int) -> int:

@@ -9,14 +9,13 @@ step 0, and finishes.
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, HostJob
+from tests.cluster.hosts import Cluster
+from tests.cluster.job import AGENT_PORT, HostJob, newest_replica
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +32,7 @@ def test_lost_host_resumes_from_the_peer_replica_on_a_replacement_host(cluster: 
     # host 0 holds a committed replica of host 1's newest step (in host 0's own /dev/shm)
     job.wait_for(lambda: h0.run(["sh", "-c", "find /dev/shm/tierckpt/.replicas -name COMMITTED | head -1"],
                                 check=False).stdout.strip(), 60, "host 0 holds a replica of node 1")
-    replica_step = _newest_replica(h0)
+    replica_step = newest_replica(h0)
     before = job.last_step(1)
     t_kill = time.time()
     h1.kill()
@@ -77,9 +76,3 @@ def test_lost_host_resumes_from_the_peer_replica_on_a_replacement_host(cluster: 
           f"resumed step {step} (rank 1 was at {before}, host 0's replica at {replica_step}; "
           f"tiers {resumed[1]['tiers']})")
 
-
-def _newest_replica(host: Host) -> int:
-    """The newest committed step of the replicas in ``host``'s memory tier (``.../step_<n>/COMMITTED``)."""
-    found = host.run(["sh", "-c", "find /dev/shm/tierckpt/.replicas -name COMMITTED"], check=False).stdout
-    steps = [int(m) for m in re.findall(r"step_(\d+)/COMMITTED", found)]
-    return max(steps, default=-1)

@@ -68,6 +68,24 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def replica_steps(memory_root: str) -> list[int]:
+    """The committed steps of the replicas a node holds (``.replicas/<origin>/<ns>/step_<N>/COMMITTED``).
+
+    The node's retention deletes old steps while this walks: ``os.walk`` skips a directory that
+    vanished under it (``pathlib.rglob`` raises ``FileNotFoundError``, seen in CI)."""
+    steps = []
+    for d, _dirs, files in os.walk(Path(memory_root) / ".replicas"):
+        name = os.path.basename(d)
+        if "COMMITTED" in files and name.startswith("step_") and name[5:].isdigit():
+            steps.append(int(name[5:]))
+    return steps
+
+
+def newest_replica(memory_root: str) -> int | None:
+    """The newest committed step of the replicas a node holds, ``None`` when it holds none."""
+    return max(replica_steps(memory_root), default=None)
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)

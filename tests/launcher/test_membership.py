@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.launcher.cluster import LocalJob
+from tests.launcher.cluster import LocalJob, newest_replica, replica_steps
 from tests.launcher.test_node_loss import assert_resumed_on_trajectory, reference_digests, steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # a module fixture runs a fault-free reference first; three agents on 2 cores
@@ -61,7 +61,7 @@ def test_hot_spare_takes_the_lost_nodes_rank(make_job: Callable[..., LocalJob],
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= step_then + 15, 60, "15 more steps with a spare")
     assert not [e for e in job.events() if e["event"] in ("fault", "restart")], job.report()
     assert {e["generation"] for r in RANKS for e in job.trace(r)} == {0}
-    job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
+    job.wait_for(lambda: replica_steps(job.memory[0]), 30, "node 0 holds a replica")
     at_kill = min(job.last_step(r) for r in RANKS)
     t_kill = time.time()
     job.kill_machine(1)
@@ -106,7 +106,7 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     job = make_job(train=["--steps", str(steps), "--global-mode"], node_timeout=3.0, nnodes_arg="1:2")
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
-    job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
+    job.wait_for(lambda: replica_steps(job.memory[0]), 30, "node 0 holds a replica")
     at_kill = job.last_step(0)
     t_kill = time.time()
     job.kill_machine(1)
@@ -119,8 +119,8 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     resumed = job.resumed(0, g1)
     assert resumed is not None and resumed["step"] is not None, resumed
     # the newest step rank 0 can load alone: its own files and node 1's newest replica on node 0
-    replicated = max(int(p.parent.name.removeprefix("step_"))
-                     for p in (Path(job.memory[0]) / ".replicas").rglob("COMMITTED"))
+    replicated = newest_replica(job.memory[0])
+    assert replicated is not None
     assert min(replicated, at_kill) - 1 <= resumed["step"] <= min(replicated, at_kill), (resumed, replicated, at_kill)
     assert resumed["digest"] == steps_of(job, 0)[0][resumed["step"]]  # the weights saved at that step, bit for bit
     assert not [e for e in job.events(0) if e["event"] == "warning" and "re-rendezvous" in e.get("what", "")

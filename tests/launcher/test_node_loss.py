@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.cluster import LocalJob, alive
+from tests.launcher.cluster import LocalJob, alive, newest_replica, replica_steps
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_readme_config_recovers_on_two_nodes_by_default(make_job: Callable[..., 
     first = int(job.resumed(0, 1)["step"] or 0)
     job.wait_for(lambda: min(job.last_step(r, generation=1) for r in RANKS) >= first + 8, 90, "8 more steps")
     assert assert_resumed_on_trajectory(job, 1, fault_free, at_least=7, complete=False) == first
-    job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 30, "node 0 holds a replica")
+    job.wait_for(lambda: replica_steps(job.memory[0]), 30, "node 0 holds a replica")
     job.kill_machine(1)
     _wipe(job.memory[1])
     job.wait_for(lambda: any(e["event"] == "fault" and e["generation"] == 1 for e in job.events(0)), 30,
@@ -152,7 +152,7 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     # replication runs after each commit and lags under load: the kill comes once node 0 holds a
     # replica of step 7 or later, and the relaunched node must resume at least there
-    held = job.wait_for(lambda: _newest_replica(job.memory[0]) if (_newest_replica(job.memory[0]) or 0) >= 7
+    held = job.wait_for(lambda: newest_replica(job.memory[0]) if (newest_replica(job.memory[0]) or 0) >= 7
                         else None, 60, "node 0 holds a replica of step 7 or later")
     assert job.group_rank(1) == 1
     worker = job.worker_pid(1)
@@ -176,9 +176,3 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     assert "peer" in (job.resumed(1, gen) or {}).get("tiers", []), job.resumed(1, gen)
     assert not [e for e in job.events() if e["event"] == "fault" and e["reason"] == "CrashLoop"]
 
-
-def _newest_replica(memory_root: str) -> int | None:
-    """The newest committed step of the replicas a node holds (``.replicas/<origin>/<ns>/step_<N>``)."""
-    steps = [int(m.parent.name.removeprefix("step_")) for m in (Path(memory_root) / ".replicas").rglob("COMMITTED")
-             if m.parent.name.startswith("step_")]
-    return max(steps, default=None)

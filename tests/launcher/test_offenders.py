@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.launcher.cluster import LocalJob
+from tests.launcher.cluster import LocalJob, replica_steps
 from tests.launcher.test_node_loss import steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -56,7 +56,7 @@ def _two_crashes_on_node_1(make_job: Callable[..., LocalJob], tmp_path: Path, ma
     job.start_agent(2)  # the job is full: the third agent stands by at the spare gate
     job.wait_for(lambda: any(e["event"] == "spare" and e["state"] == "standby" for e in job.events(2)), 150,
                  "the spare stands by at the gate")
-    job.wait_for(lambda: any((Path(job.memory[0]) / ".replicas").rglob("COMMITTED")), 60, "node 0 holds a replica")
+    job.wait_for(lambda: replica_steps(job.memory[0]), 60, "node 0 holds a replica")
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 5, 60, "both ranks reach step 5")
     assert job.last_step(0) < STEPS - 100, "the job trained too far before the spare stood by; raise STEPS"
     fault_file.write_text("crash")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.cluster import NS, LocalJob
+from tests.launcher.cluster import NS, LocalJob, newest_replica
 
 pytestmark = pytest.mark.slow
 
@@ -242,7 +242,7 @@ def test_hosted_agents_replicate_and_a_lost_node_resumes_from_its_peer(make_job:
     job.start()
     job.wait_for(lambda: job.last_step(1) >= 8, 90, "rank 1 reaches step 8")
     # replication follows each commit and lags under load: kill once node 0 holds step 7 or later
-    held = job.wait_for(lambda: _newest_replica(job.memory[0]) if (_newest_replica(job.memory[0]) or 0) >= 7
+    held = job.wait_for(lambda: newest_replica(job.memory[0]) if (newest_replica(job.memory[0]) or 0) >= 7
                         else None, 60, "node 0 holds a replica of step 7 or later")
     job.kill_node(1)
     import shutil
@@ -301,9 +301,3 @@ def test_startup_deadline_fails_the_job(make_job: Callable[..., LocalJob], tmp_p
         assert ev[-1]["event"] == "exit" and ev[-1]["why"] == "startupDeadlineSeconds exceeded", ev[-1]
         assert not [e for e in ev if e["event"] == "restart"]
 
-
-def _newest_replica(memory_root: str) -> int | None:
-    """The newest committed step of the replicas a node holds (``.replicas/<origin>/<ns>/step_<N>``)."""
-    steps = [int(m.parent.name.removeprefix("step_")) for m in (Path(memory_root) / ".replicas").rglob("COMMITTED")
-             if m.parent.name.startswith("step_")]
-    return max(steps, default=None)
