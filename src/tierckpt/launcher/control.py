@@ -80,9 +80,13 @@ class JobControl:
         return None if raw == _ABSENT else dict(json.loads(raw))
 
     def wait_claim(self, generation: int, timeout: float) -> dict[str, Any] | None:
-        """Block until ``generation`` is claimed (the store wakes the waiter; no polling), or None."""
+        """Block until ``generation`` is claimed (the store wakes the waiter; no polling), or None.
+
+        It waits on the key every claimer ``set``s after its ``compare_set``: torch's legacy
+        TCPStore server (``use_libuv=False``) does not wake waiters on a ``compare_set`` (the libuv
+        one does), so a wait on the claim key itself would sleep out its timeout there."""
         try:
-            self.store.wait([f"{_P}fault/{generation}"], datetime.timedelta(seconds=max(timeout, 0.001)))
+            self.store.wait([f"{_P}fault/{generation}/set"], datetime.timedelta(seconds=max(timeout, 0.001)))
         except _timeout_error():
             return None
         return self.claimed(generation)
@@ -91,6 +95,7 @@ class JobControl:
         """Report a fault of ``generation``; the first claim wins and is returned to everyone."""
         key = f"{_P}fault/{generation}"
         got = self.store.compare_set(key, b"", json.dumps(record).encode())
+        self.store.set(f"{key}/set", b"1")  # wakes ``wait_claim`` on either store server
         self._raise_to("generation", generation + 1)
         return dict(json.loads(got))
 

@@ -112,6 +112,30 @@ def test_first_claim_wins_and_the_generation_moves_once(store: dist.TCPStore) ->
     assert a.master(1, timeout=1.0) == ("127.0.0.1", 4321)
 
 
+@pytest.mark.parametrize("libuv", [False, True], ids=["legacy-server", "libuv-server"])
+def test_wait_claim_wakes_at_the_claim_on_either_store_server(libuv: bool) -> None:
+    """Reproduces: torch's legacy server does not wake a waiter on ``compare_set``, so a wait on the
+    claim key slept out its whole timeout there (it returned the claim only then)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=libuv,  # type: ignore[attr-defined]
+                           timeout=datetime.timedelta(seconds=10))
+    waiter, claimer = JobControl(connect_client("127.0.0.1", server.port)), JobControl(server)
+    got: dict[str, object] = {}
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        got["claim"] = waiter.wait_claim(3, timeout=8.0)
+        got["waited"] = time.monotonic() - t0
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)  # the waiter is blocked in the store's wait
+    claimer.claim(3, {"reason": "Crash", "node": 1})
+    t.join(20)
+    assert got["claim"] == {"reason": "Crash", "node": 1}
+    assert isinstance(got["waited"], float) and got["waited"] < 5.0, got  # woken, not timed out (8 s)
+    assert waiter.wait_claim(4, timeout=0.05) is None
+
+
 def test_join_takes_the_highest_generation_any_node_remembers(store: dist.TCPStore) -> None:  # type: ignore[name-defined]
     out: dict[int, tuple[int, int]] = {}
     round_store = dist.PrefixStore("round1", store)  # type: ignore[attr-defined]
