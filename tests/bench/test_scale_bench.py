@@ -134,3 +134,28 @@ def test_a_signalled_bench_leaves_no_simulation_process(sig: str) -> None:
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_a_simulated_agent_that_misses_the_next_generation_says_why() -> None:
+    """Two simulated agents on a real TCPStore: a claim that counts node 1 lost while it runs;
+    node 0 regroups alone, node 1 reports why it did not (the bench prints the reasons)."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+
+    from tierckpt.bench.scale_sim import _Ours
+    from tierckpt.launcher.control import JobControl
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=False,  # type: ignore[attr-defined]
+                           timeout=datetime.timedelta(seconds=30))
+    ours = _Ours(server.port, [0, 1], 2, {"interval_s": 0.2, "node_timeout_s": 30.0, "store_timeout_s": 30.0},
+                 threading.Lock())
+    ours.start()
+    try:
+        JobControl(server).claim(0, {"reason": "LostNode", "node": 1, "lost": [1]})
+        got = ours.generation(0, None)
+        assert [node for node, _, _ in got["done"]] == [0]
+        assert got["failed"] == {"counted lost": 1}
+    finally:
+        ours.close()

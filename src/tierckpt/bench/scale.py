@@ -151,8 +151,10 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
                    host_cpu=(cpu1 - cpu0) / (t1 - t0), watchers=sum(len(x["watching"]) for x in c1))
         t_claim = time.time()  # fault: a claim of generation 0
         ctl.claim(0, {"reason": "Crash", "node": 0, "time": t_claim})
-        got = _gather(sims, timeout=120)
+        got, failed = _gather(sims, timeout=120)
         out["fault_agents_done"] = None if got is None else len(got)
+        if failed:
+            out["fault_failed"] = failed
         if got is not None and len(got) == n:
             out["fault_all_stopped_s"] = max(s for _, s, _ in got) - t_claim
             out["restart_agreement_s"] = max(d for _, _, d in got) - t_claim
@@ -161,9 +163,11 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
         for pipe in sims.pipes:
             pipe.send(("generation", 1, victim))
         t_dead = time.time()
-        got = _gather(sims, timeout=a.node_timeout * 4 + 120)
+        got, failed = _gather(sims, timeout=a.node_timeout * 4 + 120)
         rec = ctl.claimed(1)
         out["lost_agents_done"] = None if got is None else len(got)
+        if failed:
+            out["lost_failed"] = failed
         out["lost_claim"] = None if rec is None else {k: rec.get(k) for k in ("reason", "node", "lost")}
         if got is not None and rec is not None and len(got) == n - 1:
             out["detect_s"] = float(rec["time"]) - t_dead
@@ -181,14 +185,20 @@ def _counts(sims: _Sims) -> list[dict[str, Any]]:
     return got
 
 
-def _gather(sims: _Sims, timeout: float) -> list[tuple[int, float, float]] | None:
+def _gather(sims: _Sims, timeout: float) -> tuple[list[tuple[int, float, float]] | None, dict[str, int]]:
+    """Every process's answer to a generation: the agents that agreed on the next one, and why the
+    others did not (counted by reason); ``None`` when a process did not answer within ``timeout``."""
     deadline = time.monotonic() + timeout
     out: list[tuple[int, float, float]] = []
+    failed: dict[str, int] = {}
     for pipe in sims.pipes:
         if not pipe.poll(max(0.0, deadline - time.monotonic())):
-            return None
-        out.extend(pipe.recv())
-    return out
+            return None, failed
+        got = pipe.recv()
+        out.extend(got["done"])
+        for why, count in got["failed"].items():
+            failed[why] = failed.get(why, 0) + count
+    return out, failed
 
 
 def _torch(n: int, a: argparse.Namespace) -> dict[str, Any]:

@@ -7,7 +7,8 @@ pipe to each process, every process alike):
 
     ours:  ("ours", nodes, n, settings) → "ready"; ("start",); ("count",) → ops and ticks;
            ("generation", g, victim) → each agent but the victim polls g's claim, claims
-           LostNode when its liveness reports one, stops, agrees on g + 1 → [(node, seen, agreed)]
+           LostNode when its liveness reports one, stops, agrees on g + 1 →
+           {"done": [(node, seen, agreed)], "failed": {why: count}}
     torch: ("torch", nodes, n, settings) → "ready"; ("first",) → every handler's next_rendezvous;
            ("kill", node) → that handler stops its keep-alive; ("again",) → the others' next round
     ("exit",) at the end; the parent ends a process that overruns its limit by pid.
@@ -70,21 +71,33 @@ class _Ours:
                 "ticks": sum(live.ticks for live in self.live.values()),
                 "watching": [i for i, live in self.live.items() if live.watching]}
 
-    def generation(self, g: int, victim: int | None) -> list[tuple[int, float, float]]:
+    def generation(self, g: int, victim: int | None) -> dict[str, Any]:
+        """``{"done": [(node, seen, agreed)], "failed": {why: count}}`` once every agent of this share ended."""
         if victim is not None and victim in self.live:
             self.live.pop(victim).close()  # the node is gone: no beat, no claim, no ack
             self.ctl.pop(victim)
         out: list[tuple[int, float, float]] = []
-        threads = [threading.Thread(target=self._agent, args=(i, g, out), daemon=True) for i in self.ctl]
+        failed: dict[str, int] = {}
+
+        def agent(node: int) -> None:
+            try:
+                why = self._agent(node, g, out)
+            except Exception as exc:  # a store wait that timed out: the figure names it
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}"
+            if why:
+                failed[why] = failed.get(why, 0) + 1
+
+        threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in self.ctl]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return out
+        return {"done": out, "failed": failed}
 
-    def _agent(self, node: int, g: int, out: list[tuple[int, float, float]]) -> None:
+    def _agent(self, node: int, g: int, out: list[tuple[int, float, float]]) -> str | None:
         """The agent loop's control-plane part: wait for g's claim (or claim a lost node), stop,
-        then agree on g + 1: in place after a fault, or regrouped without the lost nodes."""
+        then agree on g + 1: in place after a fault, or regrouped without the lost nodes. Returns
+        why it did not get there, or None."""
         ctl, live, timeout = self.ctl[node], self.live[node], self.s["node_timeout_s"] * 4 + 30
         deadline = time.monotonic() + timeout
         rec = None
@@ -96,7 +109,7 @@ class _Ours:
             if rec is None:
                 time.sleep(_MONITOR_TICK_S)
         if rec is None:
-            return
+            return "no claim seen"
         seen = time.time()
         ctl.stopped(g)
         lost = [int(x) for x in rec.get("lost", [])]
@@ -104,17 +117,18 @@ class _Ours:
             survivors = [i for i in range(self.n) if i not in lost]
             got = ctl.regroup(g, node, survivors, timeout=timeout)
             if got is None:
-                return
+                return "counted lost" if node in lost else "regroup incomplete"
             rank = got[0]
         else:
             if not ctl.wait_stopped(g, self.n, timeout=timeout):
-                return
+                return "stop barrier incomplete"
             rank = node
         if rank == 0:
             ctl.publish_master(g + 1, "127.0.0.1", 29500 + g)
         else:
             ctl.master(g + 1, timeout=timeout)
         out.append((node, seen, time.time()))
+        return None
 
     def close(self) -> None:
         for live in self.live.values():
