@@ -6,7 +6,7 @@ counted clients (storecount.py) of the run's TCPStore; each of torch's is the re
 pipe to each process, every process alike):
 
     ours:  ("ours", nodes, n, settings) → "ready"; ("start",); ("count",) → ops and ticks;
-           ("generation", g, victim) → each agent but the victim polls g's claim, claims
+           ("generation", g, victim) → each agent but the victim follows g's claim (claimwatch.py), claims
            LostNode when its liveness reports one, stops, agrees on g + 1 →
            {"done": [(node, seen, agreed)], "failed": {why: count}}
     torch: ("torch", nodes, n, settings) → "ready"; ("first",) → every handler's next_rendezvous;
@@ -27,6 +27,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tierckpt.bench.storecount import Counter, CountingStore
+from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness
 
 __all__ = ["BenchError", "serve"]
@@ -55,6 +56,10 @@ class _Ours:
         self.n, self.s = n, s
         self.ctl_ops, self.live_ops = Counter(), Counter()
         self.ctl = {i: JobControl(CountingStore(_client(port, s["store_timeout_s"], lock), self.ctl_ops)) for i in nodes}
+        # the agent's claim watch: one more client each, blocked in the store's wait (claimwatch.py)
+        self.woke = {i: threading.Event() for i in nodes}
+        self.claims = {i: ClaimWatch(lambda c=CountingStore(_client(port, s["store_timeout_s"], lock),  # type: ignore[misc]
+                                                             self.ctl_ops): c, self.woke[i].set) for i in nodes}
         live_clients = {i: CountingStore(_client(port, s["store_timeout_s"], lock), self.live_ops) for i in nodes}
         self.live = {i: Liveness(lambda c=live_clients[i]: c, i, interval_s=s["interval_s"],  # type: ignore[misc]
                                  timeout_s=s["node_timeout_s"]) for i in nodes}
@@ -76,6 +81,7 @@ class _Ours:
         if victim is not None and victim in self.live:
             self.live.pop(victim).close()  # the node is gone: no beat, no claim, no ack
             self.ctl.pop(victim)
+            self.claims.pop(victim).close()
         out: list[tuple[int, float, float]] = []
         failed: dict[str, int] = {}
 
@@ -99,15 +105,18 @@ class _Ours:
         then agree on g + 1: in place after a fault, or regrouped without the lost nodes. Returns
         why it did not get there, or None."""
         ctl, live, timeout = self.ctl[node], self.live[node], self.s["node_timeout_s"] * 4 + 30
+        watch, woke = self.claims[node], self.woke[node]
         deadline = time.monotonic() + timeout
         rec = None
-        while rec is None and time.monotonic() < deadline:  # tierckpt run's monitor loop: one read a tick
-            rec = ctl.claimed(g)
+        while rec is None and time.monotonic() < deadline:  # tierckpt run's monitor loop, a tick at a time
+            watch.follow(g)
+            rec = ctl.claimed(g) if watch.due(g) else None  # the store's wake-up, or the safety read
             lost = live.lost()
             if rec is None and lost:
                 rec = ctl.claim(g, {"reason": "LostNode", "node": lost[0], "lost": lost, "time": time.time()})
             if rec is None:
-                time.sleep(_MONITOR_TICK_S)
+                woke.wait(_MONITOR_TICK_S)  # a claim wakes the loop at once, as a worker's exit does the agent's
+                woke.clear()
         if rec is None:
             return "no claim seen"
         seen = time.time()
@@ -133,6 +142,8 @@ class _Ours:
     def close(self) -> None:
         for live in self.live.values():
             live.close()
+        for watch in self.claims.values():
+            watch.close()
 
 
 class _Torch:

@@ -42,6 +42,7 @@ from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.agent_membership import MembershipPath
 from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
 from tierckpt.launcher.busyboard import BusyBoard
+from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events
@@ -101,6 +102,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._gen_started = time.time()
         self._ctl: JobControl | None = None
         self._liveness: Liveness | None = None
+        self._claims: ClaimWatch | None = None  # another node's claim, pushed by the store (claimwatch.py)
         self._waker = Waker()
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         _remove_dead_beat_dirs(shm)
@@ -227,6 +229,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
                                       interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
             self._liveness.start()
+            self._claims = ClaimWatch(lambda: connect_client(host, port), self._waker.notify)
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None
@@ -504,6 +507,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         finally:
             if self._liveness is not None:
                 self._liveness.close()
+            if self._claims is not None:
+                self._claims.close()
             self._waker.close()
             shutil.rmtree(self._beat_dir, ignore_errors=True)
 
@@ -585,8 +590,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
                          if self._pcontext else [], warm=self.warm_ranks)
         while True:
-            # a worker's exit (SIGCHLD) ends the wait at once (wake.py); another node's claim is
-            # seen at this poll
+            # a worker's exit (SIGCHLD) ends the wait at once (wake.py); so does another node's
+            # claim (claimwatch.py: the store wakes a thread that wakes this loop)
             woke = self._waker.wait(spec.monitor_interval)
             self._woke_at = time.monotonic() if woke else None
             result = self._monitor_workers(wg)
@@ -609,7 +614,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self.events.step.set(progress)
             self._watch_resume()
             self._report_recovery()
-            claimed = self.ctl.claimed(self.generation)
+            claims = self._claims
+            if claims is not None:
+                claims.follow(self.generation)
+            claimed = self.ctl.claimed(self.generation) if claims is None or claims.due(self.generation) else None
             if claimed is None:
                 local = self._detect(result)
                 self._polled_at = time.monotonic()
