@@ -134,7 +134,7 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
             raise TimeoutError(f"{n} simulated agents did not connect within 600 s")
         sims.all(("start",), 60)
         ctl = JobControl(connect_client("127.0.0.1", host.port))
-        for pipe in sims.pipes:  # every agent's monitor loop reads generation 0's claim key each tick
+        for pipe in sims.pipes:  # every agent's monitor loop follows generation 0's claim (claimwatch.py)
             pipe.send(("generation", 0, None))
         time.sleep(max(2 * a.interval, 1.0))  # every beat key exists; the watcher reads them with multi_get
         try:

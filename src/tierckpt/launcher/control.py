@@ -5,7 +5,8 @@ agents already share), so there is no second server. Call order, on every agent:
 
     ctl = JobControl(job_store)
     g = ctl.join(round_store, nnodes, local_next=..., local_full=...)  # after each rendezvous round
-    ...every monitor tick:  rec = ctl.claimed(g)                       # a fault anywhere in generation g
+    ...when woken or due:   rec = ctl.claimed(g)                       # a fault anywhere in generation g
+                            # (claimwatch.py: a thread blocked in wait_claim wakes the loop)
     ...on a local fault:    rec = ctl.claim(g, record)                 # first claim wins; returns the winner
     ...after stopping:      ctl.stopped(g); ctl.wait_stopped(g, nnodes, timeout)
     ...master of g + 1:     ctl.publish_master(g + 1, addr, port) / ctl.master(g + 1, timeout)
@@ -18,9 +19,9 @@ on a fresh TCPStore port published here, so no key of an older generation is eve
 ``Liveness`` (liveness.py) runs in a thread with its own store client and reports agents whose
 beat stopped moving.
 
-Store cost: nothing here polls a counter or reads another agent's key. A claim is one key that
-each agent reads once per monitor tick (one operation; or ``wait_claim`` blocks on it without
-traffic); the barriers (``join``, ``wait_stopped``) are one ``add`` per agent, and the agent
+Store cost: nothing here polls a counter or reads another agent's key. A claim is one key and
+its wake-up key; ``wait_claim`` blocks on the latter without traffic and the agent reads the
+claim once a second besides (claimwatch.py); the barriers (``join``, ``wait_stopped``) are one ``add`` per agent, and the agent
 that completes the count sets one key that the others wait on; ``master`` is a wait on one key.
 """
 
