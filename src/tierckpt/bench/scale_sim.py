@@ -143,7 +143,11 @@ class _Ours:
         for live in self.live.values():
             live.close()
         for watch in self.claims.values():
-            watch.close()
+            watch.close(timeout_s=0.0)
+        if self.ctl:  # one release per generation ends every watch of this process (they wait on one key each)
+            ctl = next(iter(self.ctl.values()))
+            for g in (0, 1):
+                ctl.release_claim_waiters(g)
 
 
 class _Torch:

@@ -229,7 +229,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._liveness = Liveness(lambda: connect_client(host, port), self.node,
                                       interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
             self._liveness.start()
-            self._claims = ClaimWatch(lambda: connect_client(host, port), self._waker.notify)
+            self._claims = ClaimWatch(lambda: connect_client(host, port), self._waker.notify,
+                                      lambda g: JobControl(connect_client(host, port, 5.0)).release_claim_waiters(g))
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
         self._peers_next = 0.0  # a new round: publish the node agent's address again
         self._peers_published = None

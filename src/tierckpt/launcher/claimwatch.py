@@ -11,15 +11,20 @@ store connection failed is replaced by those reads.
 
 Call order (the agent):
 
-    watch = ClaimWatch(connect, notify)   # connect(): a new store client; notify(): wake the loop
+    watch = ClaimWatch(connect, notify, release)  # connect(): a new store client; notify(): wake
+                                                  # the loop; release(g): JobControl.release_claim_waiters
     ...every tick: watch.follow(g)        # a no-op until the generation changes
                    if watch.due(g): rec = ctl.claimed(g)
-    watch.close()                         # the thread ends at its next wake-up (daemon meanwhile)
+    watch.close()                         # releases its wait and joins the thread (2 s at most)
 
 The watch waits without a timeout of its own (``wait_s``, a day): a timed-out TCPStore wait
 prints a c10d warning, and a thread that woke every minute on every node would fill the logs.
-A generation that ends without a claim of it leaves the thread blocked on the old key; the
-next ``follow`` starts a new thread with a new client and the old one is left to its wait.
+Its wait must end before the interpreter does: a thread blocked in the C++ wait when the store
+closes the connection during interpreter shutdown aborts the process (SIGABRT, seen in the
+scenario tests: the agent had emitted its exit, code 0). So ``close`` sets the waited key with
+no claim behind it (``release``), as ``follow`` does for a generation that ended unclaimed.
+Other agents' watches woken that way find no claim and read the claim key every tick for the
+rest of that generation, as the loop did before there was a watch.
 """
 
 from __future__ import annotations
@@ -35,56 +40,91 @@ __all__ = ["ClaimWatch"]
 
 
 class ClaimWatch:
-    def __init__(self, connect: Callable[[], Any], notify: Callable[[], None], *, safety_poll_s: float = 1.0,
+    def __init__(self, connect: Callable[[], Any], notify: Callable[[], None],
+                 release: Callable[[int], None] | None = None, *, safety_poll_s: float = 1.0,
                  wait_s: float = 86400.0) -> None:
         self._connect = connect
         self._notify = notify
+        self._release = release
         self.safety_poll_s = safety_poll_s
         self._wait_s = wait_s
         self._lock = threading.Condition()  # notified when the followed generation changes or it closes
         self._generation: int | None = None  # the generation followed now
         self._waiting: int | None = None  # the generation the thread is blocked on
-        self._claimed: set[int] = set()  # generations whose wake-up key the store reported
+        self._claimed: set[int] = set()  # generations whose claim the store reported
+        self._released: set[int] = set()  # woken with no claim: read every tick for the rest of it
         self._broken = False  # the store connection failed: the loop reads every tick
         self._last_read = 0.0
         self._closed = False
         self._thread: threading.Thread | None = None
-        #: generations the store woke this watch for (tests and ``bench scale`` read it)
+        #: generations the store woke this watch for with a claim (tests and ``bench scale`` read it)
         self.wakes = 0
 
     def follow(self, generation: int) -> None:
-        """Watch ``generation``'s claim from now on (the first read is due at once)."""
+        """Watch ``generation``'s claim from now on (the first read is due at once); a no-op for
+        the generation followed already."""
+        stale: int | None = None
         with self._lock:
             if self._generation == generation:
-                return  # followed already: every tick may call this
+                return
             self._generation = generation
             self._last_read = 0.0
             self._lock.notify_all()
             if self._closed or self._broken:
                 return
-            if self._thread is not None and self._thread.is_alive() and self._waiting is not None \
-                    and self._waiting < generation and self._waiting not in self._claimed:
-                self._thread = None  # blocked on a generation that ended unclaimed: leave it there
+            if self._thread is not None and self._thread.is_alive() and self._blocked_on() is not None:
+                stale = self._waiting  # blocked on a generation that ended unclaimed: release it, start anew
+                self._thread = None
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="tierckpt-claim-watch", daemon=True)
                 self._thread.start()
+        if stale is not None:
+            self._release_in_background(stale)
 
     def due(self, generation: int) -> bool:
         """Read the claim key of ``generation`` now? True when the store reported a claim, when
-        the watch cannot wait (its connection failed, or it follows another generation), or
-        when ``safety_poll_s`` passed since the last read. A True answer counts as that read."""
+        the watch cannot wait (its connection failed, it was released, or it follows another
+        generation), or when ``safety_poll_s`` passed since the last read. True counts as that read."""
         now = time.monotonic()
         with self._lock:
-            if (generation in self._claimed or self._broken or self._generation != generation
-                    or self._thread is None or now - self._last_read >= self.safety_poll_s):
+            if (generation in self._claimed or generation in self._released or self._broken
+                    or self._generation != generation or self._thread is None
+                    or now - self._last_read >= self.safety_poll_s):
                 self._last_read = now
                 return True
             return False
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 2.0) -> None:
+        """End the watch: release the wait it is blocked in and join its thread (``timeout_s``)."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
+            thread, blocked = self._thread, self._blocked_on()
+        if thread is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        if blocked is not None:
+            self._release_in_background(blocked).join(timeout_s)
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _blocked_on(self) -> int | None:
+        """The generation the thread waits on in the store, if it does (under the lock)."""
+        g = self._waiting
+        return None if g is None or g in self._claimed or g in self._released else g
+
+    def _release_in_background(self, generation: int) -> threading.Thread:
+        """``release(generation)`` in a thread of its own: a store that does not answer holds up
+        no caller (close joins it for a bounded time)."""
+        def run() -> None:
+            try:
+                if self._release is not None:
+                    self._release(generation)
+            except Exception:  # the store is gone: so is the connection the wait was on
+                pass
+
+        t = threading.Thread(target=run, name="tierckpt-claim-release", daemon=True)
+        t.start()
+        return t
 
     def _run(self) -> None:
         me = threading.current_thread()
@@ -95,27 +135,36 @@ class ClaimWatch:
             return
         while True:
             with self._lock:
-                while not self._closed and self._thread is me and self._generation in self._claimed:
+                while not self._closed and self._thread is me and (
+                        self._generation in self._claimed or self._generation in self._released):
                     self._lock.wait()  # reported already: until the agent follows the next generation
                 if self._closed or self._thread is not me or self._generation is None:
+                    self._waiting = None
                     return
                 g = self._generation
                 self._waiting = g
             try:
-                rec = ctl.wait_claim(g, self._wait_s)
+                if not ctl.wait_claim_key(g, self._wait_s):
+                    continue  # a day without a claim: wait again
+                rec = ctl.claimed(g)
             except Exception:
                 self._fail(me)
                 return
-            if rec is None:  # a day without a claim: wait again
-                continue
             with self._lock:
+                self._waiting = None
+                if self._closed or self._thread is not me:
+                    return
+                if rec is None:  # released without a claim (an agent left): read every tick from now
+                    self._released.add(g)
+                    continue
                 self._claimed.add(g)
                 self.wakes += 1
-                if self._generation == g and self._thread is me:
+                if self._generation == g:
                     self._last_read = 0.0
             self._notify()
 
     def _fail(self, me: threading.Thread) -> None:
         with self._lock:
+            self._waiting = None
             if self._thread is me:
                 self._broken = True

@@ -86,11 +86,25 @@ class JobControl:
         It waits on the key every claimer ``set``s after its ``compare_set``: torch's legacy
         TCPStore server (``use_libuv=False``) does not wake waiters on a ``compare_set`` (the libuv
         one does), so a wait on the claim key itself would sleep out its timeout there."""
+        if not self.wait_claim_key(generation, timeout):
+            return None
+        return self.claimed(generation)
+
+    def wait_claim_key(self, generation: int, timeout: float) -> bool:
+        """Block until the wake-up key of ``generation``'s claim is set (True) or ``timeout`` (False).
+        A claim sets it, and so does ``release_claim_waiters`` with no claim behind it."""
         try:
             self.store.wait([f"{_P}fault/{generation}/set"], datetime.timedelta(seconds=max(timeout, 0.001)))
         except _timeout_error():
-            return None
-        return self.claimed(generation)
+            return False
+        return True
+
+    def release_claim_waiters(self, generation: int) -> None:
+        """End every wait on ``generation``'s wake-up key without a claim: an agent that leaves
+        ends its own claim watch this way (a thread blocked in a C++ store wait while the
+        interpreter exits aborts the process when the store closes the connection). Waiters of
+        other agents wake to no claim and read the key every tick for the rest of ``generation``."""
+        self.store.set(f"{_P}fault/{generation}/set", b"")
 
     def claim(self, generation: int, record: dict[str, Any]) -> dict[str, Any]:
         """Report a fault of ``generation``; the first claim wins and is returned to everyone."""

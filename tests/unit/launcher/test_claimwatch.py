@@ -24,7 +24,51 @@ def server(request: pytest.FixtureRequest) -> Iterator[dist.TCPStore]:  # type: 
 
 def _watch(server: dist.TCPStore, **kw: float) -> tuple[ClaimWatch, threading.Event]:  # type: ignore[name-defined]
     woke = threading.Event()
-    return ClaimWatch(lambda: connect_client("127.0.0.1", server.port), woke.set, **kw), woke
+    return ClaimWatch(lambda: connect_client("127.0.0.1", server.port), woke.set,
+                      lambda g: JobControl(connect_client("127.0.0.1", server.port)).release_claim_waiters(g),
+                      **kw), woke
+
+
+def _threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tierckpt-claim-watch"]
+
+
+def test_close_ends_the_wait_and_the_thread(server: dist.TCPStore) -> None:  # type: ignore[name-defined]
+    """Reproduces the SIGABRT of an agent that exited while its watch was blocked in the C++ wait
+    and the store closed the connection: close must leave no thread in the wait."""
+    before = set(_threads())
+    watch, _ = _watch(server, safety_poll_s=30.0)
+    watch.follow(0)
+    time.sleep(0.3)  # blocked in the store's wait
+    assert len(set(_threads()) - before) == 1
+    t0 = time.monotonic()
+    watch.close()
+    assert not (set(_threads()) - before), "the watch thread outlived close()"
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_another_agent_leaving_makes_the_watch_read_every_tick_not_go_blind(
+        server: dist.TCPStore) -> None:  # type: ignore[name-defined]
+    stays, woke = _watch(server, safety_poll_s=30.0)
+    leaves, _ = _watch(server, safety_poll_s=30.0)
+    try:
+        stays.follow(2)
+        leaves.follow(2)
+        time.sleep(0.3)
+        assert stays.due(2) and not stays.due(2)
+        leaves.close()  # releases generation 2's waiters with no claim behind
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline and not (stays.due(2) and stays.due(2)):
+            time.sleep(0.02)
+        assert stays.due(2) and stays.due(2) and stays.due(2)  # no claim was reported: every tick reads
+        assert not woke.is_set() and stays.wakes == 0
+        stays.follow(3)  # the next generation is pushed again
+        assert stays.due(3) and not stays.due(3)
+        time.sleep(0.3)
+        JobControl(server).claim(3, {"reason": "Crash", "node": 0})
+        assert woke.wait(5.0) and stays.wakes == 1
+    finally:
+        stays.close()
 
 
 def test_a_claim_wakes_the_loop_and_is_due_at_once(server: dist.TCPStore) -> None:  # type: ignore[name-defined]
@@ -55,8 +99,9 @@ def test_a_generation_that_ended_unclaimed_leaves_no_blind_watch(server: dist.TC
     try:
         watch.follow(4)
         time.sleep(0.3)
-        watch.follow(5)  # generation 4 ended without a claim: its wait stays blocked, a new one follows 5
+        watch.follow(5)  # generation 4 ended without a claim: its wait is released, a new one follows 5
         time.sleep(0.3)
+        assert len(_threads()) >= 1
         JobControl(server).claim(5, {"reason": "Crash", "node": 1})
         assert woke.wait(5.0) and watch.wakes == 1
         assert watch.due(5)
