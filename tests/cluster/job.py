@@ -23,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -139,14 +140,29 @@ class HostJob:
 
     def launcher_pid(self, name: str) -> int:
         """The PID of ``name``'s ``tierckpt run`` process as its host sees it (``nsenter --pid``
-        forks: the launcher is the one child of the ``nsenter`` this job started); signal it, and
-        only it, with ``host.run(["kill", ...])``."""
+        forks: the launcher is the one child of the ``nsenter`` this job started)."""
         kids = children(self.launchers[name].pid)
         assert len(kids) == 1, f"{name}: expected one process under nsenter {self.launchers[name].pid}, got {kids}"
         assert b"tierckpt.cli" in Path(f"/proc/{kids[0]}/cmdline").read_bytes(), kids
         nspid = next(line for line in Path(f"/proc/{kids[0]}/status").read_text().splitlines()
                      if line.startswith("NSpid:"))
         return int(nspid.split()[-1])  # the innermost namespace's: the host's own
+
+    def freeze_launcher(self, host: Host) -> int:
+        """SIGSTOP to ``host``'s ``tierckpt run`` alone (its workers, standbys and agent threads'
+        other processes go on), sent on the host by the launcher's PID there; that PID."""
+        pid = self.launcher_pid(host.name)
+        host.run(["kill", "-STOP", str(pid)])
+        return pid
+
+    def thaw_launcher(self, host: Host, pid: int) -> None:
+        """SIGCONT to the launcher ``freeze_launcher`` stopped, and to the ``nsenter`` above it:
+        util-linux's nsenter waits for its child with ``WUNTRACED`` and stops itself when the child
+        stops (job control), and only a SIGCONT of its own wakes it; left stopped, it never reaps
+        the launcher and the job sees the launcher run forever (seen: ``wait_exit`` timed out with
+        the launcher's ``exit`` event written)."""
+        host.run(["kill", "-CONT", str(pid)])
+        os.kill(self.launchers[host.name].pid, signal.SIGCONT)
 
     def worker_pid(self, rank: int) -> int:
         """The worker's PID as its host sees it (signal it with ``host.run(["kill", ...])``)."""

@@ -203,13 +203,12 @@ def test_first_round_spare_host_stands_by_through_a_frozen_launcher(cluster: Clu
     assert sorted(ranks_before.values()) == [0, 1], ranks_before
     # freeze a live launcher that does not host the store (h0's does: freezing it freezes the store)
     frozen = max((h for h in live if h is not h0), key=lambda h: h.index)
-    pid = job.launcher_pid(frozen.name)
-    frozen.run(["kill", "-STOP", str(pid)])
+    pid = job.freeze_launcher(frozen)
     try:
         time.sleep(FREEZE_S)  # the fault's duration, not a check
         state = frozen.run(["sh", "-c", f"cut -d' ' -f3 /proc/{pid}/stat"]).stdout.strip()
     finally:
-        frozen.run(["kill", "-CONT", str(pid)])
+        job.thaw_launcher(frozen, pid)
     assert state == "T", f"the launcher (pid {pid} on {frozen.name}) was not stopped: state {state!r}"
     step_then = min(job.last_step(r) for r in RANKS)
     assert step_then < FIRST_ROUND_STEPS - 10, "the job trained too far before the freeze ended; raise STEPS"
