@@ -75,7 +75,7 @@ def _ip(*args: str, netns: str | None = None) -> None:
         raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except FileNotFoundError:
@@ -207,7 +207,7 @@ class Host:
             line = out.readline() if ready else b""
         if line.strip() != b"ready":
             raise RuntimeError(f"host {self.name} did not start: {line!r} {self.init_log.read_text()}")
-        kids = _children(self.unshare.pid)
+        kids = children(self.unshare.pid)
         if len(kids) != 1:
             raise RuntimeError(f"host {self.name}: expected one init under unshare {self.unshare.pid}, got {kids}")
         self.init_pid = kids[0]

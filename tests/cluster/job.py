@@ -7,6 +7,10 @@
     job.start_node(cluster.add_host(), 1)     # a replacement host (new name, new IP) as node 1
     codes = job.wait_exit(150)
 
+    gen, joined = spare_took_rank(job, h1, h2)   # a spare on h2 took h1's rank 1; both ranks train
+    got = job.resumed(1, gen)                     # bit for bit what rank 1 saved at that step:
+    assert got["digest"] == saved_digests(job, 1, gen)[got["step"]]
+
 The workers' traces (``trace_rank<r>.jsonl``) and every launcher's events and log are on the
 machine's disk (``workdir``), shared by all hosts like a cluster's shared filesystem; the memory
 tier is each host's own ``/dev/shm/tierckpt``. Every process is a host's: ``Cluster.close`` (the
@@ -19,6 +23,7 @@ import json
 import os
 import re
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -26,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.hosts import Cluster, Host
+from tests.cluster.hosts import Cluster, Host, children
 from tierckpt.bench.twonode import read_jsonl
 
 NS = "scn"
@@ -133,6 +138,32 @@ class HostJob:
         self.wait_for(lambda: all(any(e["event"] == "started" for e in self.events(h.name)) for h in hosts),
                       timeout, " and ".join(h.name for h in hosts) + " form the job")
 
+    def launcher_pid(self, name: str) -> int:
+        """The PID of ``name``'s ``tierckpt run`` process as its host sees it (``nsenter --pid``
+        forks: the launcher is the one child of the ``nsenter`` this job started)."""
+        kids = children(self.launchers[name].pid)
+        assert len(kids) == 1, f"{name}: expected one process under nsenter {self.launchers[name].pid}, got {kids}"
+        assert b"tierckpt.cli" in Path(f"/proc/{kids[0]}/cmdline").read_bytes(), kids
+        nspid = next(line for line in Path(f"/proc/{kids[0]}/status").read_text().splitlines()
+                     if line.startswith("NSpid:"))
+        return int(nspid.split()[-1])  # the innermost namespace's: the host's own
+
+    def freeze_launcher(self, host: Host) -> int:
+        """SIGSTOP to ``host``'s ``tierckpt run`` alone (its workers, standbys and agent threads'
+        other processes go on), sent on the host by the launcher's PID there; that PID."""
+        pid = self.launcher_pid(host.name)
+        host.run(["kill", "-STOP", str(pid)])
+        return pid
+
+    def thaw_launcher(self, host: Host, pid: int) -> None:
+        """SIGCONT to the launcher ``freeze_launcher`` stopped, and to the ``nsenter`` above it:
+        util-linux's nsenter waits for its child with ``WUNTRACED`` and stops itself when the child
+        stops (job control), and only a SIGCONT of its own wakes it; left stopped, it never reaps
+        the launcher and the job sees the launcher run forever (seen: ``wait_exit`` timed out with
+        the launcher's ``exit`` event written)."""
+        host.run(["kill", "-CONT", str(pid)])
+        os.kill(self.launchers[host.name].pid, signal.SIGCONT)
+
     def worker_pid(self, rank: int) -> int:
         """The worker's PID as its host sees it (signal it with ``host.run(["kill", ...])``)."""
         return int((self.work / f"pid_rank{rank}").read_text())
@@ -159,3 +190,28 @@ class HostJob:
     def wait_exit(self, timeout: float, names: Sequence[str]) -> dict[str, int]:
         self.wait_for(lambda: all(self.launchers[n].poll() is not None for n in names), timeout, "launchers exit")
         return {n: int(self.launchers[n].returncode) for n in names}
+
+
+# ---- what a scenario checks, shared by the tests ----
+def first_step_after(job: HostJob, rank: int, generation: int) -> float | None:
+    """When ``rank`` first stepped in ``generation`` or later (None: not yet)."""
+    times = [e["time"] for e in job.trace(rank) if e["event"] == "step" and e["generation"] >= generation]
+    return min(times) if times else None
+
+
+def saved_digests(job: HostJob, rank: int, before: int) -> dict[int, str]:
+    """step -> parameter digest that ``rank`` recorded in generations below ``before``."""
+    return {e["step"]: e["digest"] for e in job.trace(rank) if e["event"] == "step" and e["generation"] < before}
+
+
+def spare_took_rank(job: HostJob, left: Host, spare: Host, rank: int = 1, ranks: Sequence[int] = (0, 1),
+                    timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    """Wait until the spare on ``spare`` joined as node ``rank`` in ``left``'s place and every rank
+    of ``ranks`` trains in the generation it joined; that generation and the spare's ``joined`` event."""
+    joined = job.wait_for(lambda: next((e for e in job.events(spare.name) if e["event"] == "spare"
+                                        and e["state"] == "joined"), None), timeout, f"the spare on {spare.name} joins")
+    assert joined["node"] == rank and joined["replaced"] == f"{left.name}:{MEMORY}", joined
+    gen = int(joined["generation"])
+    for r in ranks:
+        job.wait_for(lambda r=r: first_step_after(job, r, gen), timeout, f"rank {r} trains in generation {gen}")
+    return gen, joined

@@ -23,8 +23,17 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, MEMORY, NS, HostJob, newest_replica
+from tests.cluster.hosts import Cluster
+from tests.cluster.job import (
+    AGENT_PORT,
+    MEMORY,
+    NS,
+    HostJob,
+    first_step_after,
+    newest_replica,
+    saved_digests,
+    spare_took_rank,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # three launchers on a loaded 2-core box
 
@@ -34,28 +43,9 @@ RANKS = (0, 1)
 #: still lists a lost host waits its 10 s peer deadline (``AgentLimits.peer_deadline_s``)
 LOAD_BOUND_S = 5.0
 
-def _first_step_after(job: HostJob, rank: int, generation: int) -> float | None:
-    times = [e["time"] for e in job.trace(rank) if e["event"] == "step" and e["generation"] >= generation]
-    return min(times) if times else None
-
-def _saved(job: HostJob, rank: int, before: int) -> dict[int, str]:
-    """step -> parameter digest that ``rank`` recorded in generations below ``before``."""
-    return {e["step"]: e["digest"] for e in job.trace(rank) if e["event"] == "step" and e["generation"] < before}
-
 def _agents(job: HostJob, name: str) -> dict[str, Any]:
     """The ``agent`` event of ``name``'s launcher: its hosted node agent's address."""
     return next(e for e in job.events(name) if e["event"] == "agent")
-
-def _spare_took_rank_1(job: HostJob, h1: Host, h2: Host) -> tuple[int, dict[str, Any]]:
-    """Wait until the spare on ``h2`` joined as node 1 in ``h1``'s place and both ranks train in
-    the generation it joined; that generation and the spare's ``joined`` event."""
-    joined = job.wait_for(lambda: next((e for e in job.events(h2.name) if e["event"] == "spare"
-                                        and e["state"] == "joined"), None), 120, "the spare joins")
-    assert joined["node"] == 1 and joined["replaced"] == f"{h1.name}:{MEMORY}", joined
-    gen = int(joined["generation"])
-    for r in RANKS:
-        job.wait_for(lambda r=r: _first_step_after(job, r, gen), 120, f"rank {r} trains in generation {gen}")
-    return gen, joined
 
 def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -> None:
     """``--nnodes 2:2`` on h0 + h1, a spare host h2 started once the job runs; h1 is killed; h2
@@ -83,8 +73,8 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     at_kill = min(job.last_step(r) for r in RANKS)
     t_kill = time.time()
     h1.kill()
-    gen, joined = _spare_took_rank_1(job, h1, h2)
-    back = max(_first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_kill
+    gen, joined = spare_took_rank(job, h1, h2)
+    back = max(first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_kill
     fault = next(e for e in job.events(h0.name) if e["event"] == "fault")
     codes = job.wait_exit(300, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
@@ -109,7 +99,7 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     # left in an agent's list cost each load the whole 10 s peer deadline (10.05 s before the fix)
     assert max(resumed[r]["load_s"] for r in RANKS) < LOAD_BOUND_S, resumed
     for r in RANKS:  # bit for bit the state saved at that step before the kill
-        assert resumed[r]["digest"] == _saved(job, r, gen)[step], f"rank {r}: resumed state differs from step {step}'s"
+        assert resumed[r]["digest"] == saved_digests(job, r, gen)[step], f"rank {r}: resumed state differs from step {step}'s"
         assert job.last_step(r, generation=gen) == steps
     # after the replacement both ways replicate: the survivor's newest step reached the spare's
     # host (h0 must have learned h2's agent address), and the spare's reached h0
@@ -140,12 +130,12 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
                           "h0 regroups alone")
     assert shrunk["via"] == "regroup" and shrunk["nnodes"] == 1 and shrunk["left"] == [f"{h1.name}:{MEMORY}"], shrunk
     g1 = int(shrunk["generation"])
-    job.wait_for(lambda: _first_step_after(job, 0, g1), 90, "rank 0 trains alone")
-    alone = (_first_step_after(job, 0, g1) or 0.0) - t_kill
+    job.wait_for(lambda: first_step_after(job, 0, g1), 90, "rank 0 trains alone")
+    alone = (first_step_after(job, 0, g1) or 0.0) - t_kill
     resumed = job.resumed(0, g1)
     assert resumed is not None and resumed["step"] is not None, resumed
     assert at_kill - 5 <= resumed["step"] <= at_kill + 1, (resumed, at_kill)  # not from scratch
-    assert resumed["digest"] == _saved(job, 0, g1)[resumed["step"]]  # the weights saved at that step
+    assert resumed["digest"] == saved_digests(job, 0, g1)[resumed["step"]]  # the weights saved at that step
     assert resumed["load_s"] < LOAD_BOUND_S, resumed  # not waiting on the lost host's agent (see above)
     assert not [e for e in job.events(h0.name) if e["event"] == "warning" and "re-rendezvous" in e.get("what", "")
                 and e["generation"] >= g1]
@@ -160,8 +150,8 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
     assert grown["via"] == "rendezvous" and grown["nnodes"] == 2 and grown["joined"] == [f"{h2.name}:{MEMORY}"], grown
     g2 = int(grown["generation"])
     for r in RANKS:
-        job.wait_for(lambda r=r: _first_step_after(job, r, g2), 120, f"rank {r} trains in generation {g2}")
-    both_back = max(_first_step_after(job, r, g2) or 0.0 for r in RANKS)
+        job.wait_for(lambda r=r: first_step_after(job, r, g2), 120, f"rank {r} trains in generation {g2}")
+    both_back = max(first_step_after(job, r, g2) or 0.0 for r in RANKS)
     codes = job.wait_exit(300, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
 
@@ -174,7 +164,7 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
     both = [job.resumed(r, g2) for r in RANKS]
     assert all(b is not None and b["step"] is not None for b in both), both
     assert both[0]["step"] == both[1]["step"] >= job.last_step(0, generation=g1) - 1, both
-    assert both[0]["digest"] == both[1]["digest"] == _saved(job, 0, g2)[both[0]["step"]], both
+    assert both[0]["digest"] == both[1]["digest"] == saved_digests(job, 0, g2)[both[0]["step"]], both
     assert "peer" in (both[1]["tiers"] or []), both  # h2's memory was empty: its files came from h0
     assert max(b["load_s"] for b in both) < LOAD_BOUND_S, both
     assert all(job.last_step(r, generation=g2) == steps for r in RANKS)
@@ -202,8 +192,8 @@ def test_partitioned_host_is_replaced_by_the_spare_and_stays_out_when_its_link_r
     job.wait_for(lambda: newest_replica(h0, f"{NS}--rank1") >= 1, 60, "h0 holds a replica of rank 1")
     t_cut = time.time()
     h1.link(up=False)
-    gen, joined = _spare_took_rank_1(job, h1, h2)
-    back = max(_first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_cut
+    gen, joined = spare_took_rank(job, h1, h2)
+    back = max(first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_cut
     t_heal = time.time()
     h1.link(up=True)
     # h1 finds itself counted lost: it stands by as a spare (the gate), disturbing nothing
