@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import tierckpt
-from tests.agent.conftest import wait_for
+from tests.agent.conftest import lose_namespace, wait_for
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import Connection, PeerClient, PeerError
@@ -81,7 +81,7 @@ def test_wiped_node_loads_its_shards_from_a_peer_replica(node_dir, agent, stream
               fetch_part_bytes=4096)
     _save(a_dir, [3])
     wait_for(lambda: _replica_steps(b_dir, "node-a") == [3], "replica of step 3")
-    shutil.rmtree(Path(a_dir, NS))  # the node lost its memory tier (the agent's socket stays)
+    lose_namespace(a, a_dir, NS, ["node-b"])  # the node lost its memory tier (the agent's socket stays)
     step, tiers, sd = _load(a_dir)
     assert (step, tiers) == (3, ["peer"])
     assert _equal(sd, _state(3))
@@ -94,12 +94,12 @@ def test_corrupted_replica_is_skipped_for_another_holder_then_durable(node_dir, 
     a_dir, b_dir, c_dir = node_dir("a"), node_dir("b"), node_dir("c")
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET)
     c = agent(memory_dir=c_dir, node_id="node-c", secret=SECRET)
-    agent(memory_dir=a_dir, node_id="node-a", peers=(b.address, c.address), replicas=2, secret=SECRET,
-          fetch_part_bytes=4096)  # fetched in parts over parallel connections, each checked on the way
+    a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address, c.address), replicas=2, secret=SECRET,
+              fetch_part_bytes=4096)  # fetched in parts over parallel connections, each checked on the way
     durable = f"file://{tmp_path / 'durable'}"
     _save(a_dir, [4], durable_url=durable, durable_every_n_steps=1)
     wait_for(lambda: _replica_steps(b_dir, "node-a") == [4] and _replica_steps(c_dir, "node-a") == [4], "two replicas")
-    shutil.rmtree(Path(a_dir, NS))
+    lose_namespace(a, a_dir, NS, ["node-b", "node-c"])
 
     def flip(root: str) -> None:
         path = Path(root, layout.REPLICAS, "node-a", NS, "step_4", "__0_0.distcp")
@@ -243,7 +243,7 @@ def test_flush_drains_the_newest_step_to_durable(node_dir, agent, tmp_path) -> N
     assert reply["ok"] and reply["drained"][NS]["step"] == 8 and reply["drained"][NS]["state"] == "durable"
     assert "__0_0.distcp" in reply["drained"][NS]["files"]
     assert a.flush(NS)["drained"][NS] == {"step": 8, "state": "durable"}  # already there: nothing copied
-    shutil.rmtree(Path(a_dir, NS))
+    lose_namespace(a, a_dir, NS)  # its round's .keep lands there too
     step, tiers, sd = _load(a_dir, durable_url=url)
     assert (step, tiers) == (8, ["durable"]) and _equal(sd, _state(8))
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.agent.conftest import wait_for
+from tests.agent.conftest import lose_namespace, wait_for
 from tests.agent.hostile import (
     NS,
     SECRET,
@@ -205,9 +205,7 @@ def test_replicas_cache_and_the_local_socket_are_private_from_creation(node_dir,
         a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET)
         _save(a_dir, [1])
         wait_for(lambda: Path(b_dir, layout.REPLICAS, "node-a", NS, "step_1", layout.MARKER).exists(), "replica")
-        import shutil
-
-        shutil.rmtree(Path(a_dir, NS))
+        lose_namespace(a, a_dir, NS, ["node-b"])
         step, tiers, _ = _load(a_dir)  # fetched back into a's peer cache
         assert (step, tiers) == (1, ["peer"])
         for root, area in ((b_dir, layout.REPLICAS), (a_dir, layout.PEER_CACHE)):

@@ -145,6 +145,7 @@ def test_get_of_an_unknown_namespace_changes_nothing_and_pins_are_bounded(node_d
     _save_big(d, 1, 64)
     a = agent(memory_dir=d, node_id="node-a", secret=SECRET, replicas=0,
               limits=AgentLimits(request_s=1.0, min_rate_bps=16e6))
+    a.tick()  # the agent's first round writes <ns>/.keep: the digest is taken after it, not racing it
     before = tree_digest(Path(d))
     conn = client_handshake(a.address, "node-x")
     for i in range(50):

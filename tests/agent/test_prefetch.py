@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import tierckpt
-from tests.agent.conftest import wait_for
+from tests.agent.conftest import sends_ended, wait_for
 from tierckpt import layout
 from tierckpt.agent.prefetch import (
     CatalogStep,
@@ -69,6 +69,7 @@ def _lose_node_a(node_dir, agent, *, mib: int = 1, steps=(2, 3), **kw) -> tuple[
     a = agent(memory_dir=a_dir, node_id="node-a", peers=(b.address,), secret=SECRET)
     _save(a_dir, list(steps), mib, **kw)
     wait_for(lambda: steps[-1] in _replica_steps(b_dir, "node-a"), f"step {steps[-1]} replicated to node-b")
+    sends_ended(a, a_dir, NS, ["node-b"])  # close() does not wait for a send's last writes into a_dir
     a.close()
     shutil.rmtree(a_dir)
     return b_dir, b
