@@ -36,6 +36,7 @@ from tests.cluster.job import (
     saved_digests,
     spare_took_rank,
 )
+from tests.launcher.cluster import offenders_job_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # three launchers on a loaded 2-core box
 
@@ -45,15 +46,6 @@ CRASH_FILE = "/dev/shm/crash-now"
 OFFENDER_STEPS = 300  # 0.3 s each: the job outlasts the spare's start-up and two restarts
 FIRST_ROUND_STEPS = 220  # 0.2 s each: the job outlasts three launchers' start-up and the freeze
 FREEZE_S = 8.0  # > torch's keep-alive expiry under tierckpt run (1 s x 3), < --node-timeout (20 s)
-
-
-def _job_file(tmp_path: Path, max_avoid: int) -> Path:
-    path = tmp_path / f"job{max_avoid}.yaml"
-    path.write_text(f"""restartPolicy:
-  evalPeriodSeconds: 3600
-  maxNumRepeatOffendersToAvoid: {max_avoid}
-""")
-    return path
 
 
 def _ident(host: Host) -> str:
@@ -79,7 +71,7 @@ def _two_crashes_on_h1(cluster: Cluster, tmp_path: Path, max_avoid: int) -> tupl
                          "--fault-generation", "-1", "--fault-file", CRASH_FILE, "--fault-limit", "2",
                          "--fault-memory-dir", MEMORY],
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}",
-                            f"--job={_job_file(tmp_path, max_avoid)}"])
+                            f"--job={offenders_job_file(tmp_path, max_avoid)}"])
     t0 = time.time()
     job.form([h0, h1])
     h2 = cluster.add_host()  # the job is full: its launcher can only stand by at the gate

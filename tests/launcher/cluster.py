@@ -86,6 +86,16 @@ def newest_replica(memory_root: str) -> int | None:
     return max(replica_steps(memory_root), default=None)
 
 
+def offenders_job_file(tmp_path: Path, max_avoid: int) -> Path:
+    """A job file whose restart policy avoids up to ``max_avoid`` repeat offenders (one hour's window)."""
+    path = tmp_path / f"job{max_avoid}.yaml"
+    path.write_text(f"""restartPolicy:
+  evalPeriodSeconds: 3600
+  maxNumRepeatOffendersToAvoid: {max_avoid}
+""")
+    return path
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)

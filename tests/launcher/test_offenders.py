@@ -17,22 +17,13 @@ from typing import Any
 
 import pytest
 
-from tests.launcher.cluster import LocalJob, replica_steps
+from tests.launcher.cluster import LocalJob, offenders_job_file, replica_steps
 from tests.launcher.test_node_loss import steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 RANKS = (0, 1)
 STEPS = 300  # 0.3 s each: the job outlasts the spare's start-up on a loaded machine
-
-
-def _job_file(tmp_path: Path, max_avoid: int) -> Path:
-    path = tmp_path / f"job{max_avoid}.yaml"
-    path.write_text(f"""restartPolicy:
-  evalPeriodSeconds: 3600
-  maxNumRepeatOffendersToAvoid: {max_avoid}
-""")
-    return path
 
 
 def _host() -> str:
@@ -48,7 +39,7 @@ def _two_crashes_on_node_1(make_job: Callable[..., LocalJob], tmp_path: Path, ma
     job = make_job(train=["--steps", str(STEPS), "--step-time", "0.3", "--fault", "exit", "--fault-generation", "-1",
                           "--fault-file", str(fault_file), "--fault-limit", "2"],
                    run_args=["--replicas", "1"], node_timeout=3.0, slots=3, nnodes_arg="2:2",
-                   job_file=_job_file(tmp_path, max_avoid))
+                   job_file=offenders_job_file(tmp_path, max_avoid))
     job.train += ["--fault-memory-dir", job.memory[1]]
     job.start(order=[0, 1])
     job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(n)) for n in (0, 1)), 120,

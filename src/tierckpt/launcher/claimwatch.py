@@ -22,7 +22,8 @@ prints a c10d warning, and a thread that woke every minute on every node would f
 Its wait must end before the interpreter does: a thread blocked in the C++ wait when the store
 closes the connection during interpreter shutdown aborts the process (SIGABRT, seen in the
 scenario tests: the agent had emitted its exit, code 0). So ``close`` sets the waited key with
-no claim behind it (``release``), as ``follow`` does for a generation that ended unclaimed.
+no claim behind it (``release``), as ``follow`` does for a generation that ended unclaimed (the
+one thread then moves on to the generation followed now).
 Other agents' watches woken that way find no claim and read the claim key every tick for the
 rest of that generation, as the loop did before there was a watch.
 """
@@ -63,21 +64,18 @@ class ClaimWatch:
     def follow(self, generation: int) -> None:
         """Watch ``generation``'s claim from now on (the first read is due at once); a no-op for
         the generation followed already."""
-        stale: int | None = None
         with self._lock:
             if self._generation == generation:
                 return
             self._generation = generation
             self._last_read = 0.0
-            self._lock.notify_all()
+            self._lock.notify_all()  # a thread done with the old generation moves on to this one
             if self._closed or self._broken:
                 return
-            if self._thread is not None and self._thread.is_alive() and self._blocked_on() is not None:
-                stale = self._waiting  # blocked on a generation that ended unclaimed: release it, start anew
-                self._thread = None
-            if self._thread is None or not self._thread.is_alive():
+            if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tierckpt-claim-watch", daemon=True)
                 self._thread.start()
+            stale = self._blocked_on()  # a generation that ended unclaimed: release its wait
         if stale is not None:
             self._release_in_background(stale)
 
@@ -127,18 +125,17 @@ class ClaimWatch:
         return t
 
     def _run(self) -> None:
-        me = threading.current_thread()
+        """The watch's one thread: waits on the followed generation's wake-up key until closed."""
         try:
             ctl = JobControl(self._connect())
         except Exception:  # the store is gone or refuses: the loop reads every tick instead
-            self._fail(me)
+            self._fail()
             return
         while True:
             with self._lock:
-                while not self._closed and self._thread is me and (
-                        self._generation in self._claimed or self._generation in self._released):
+                while not self._closed and (self._generation in self._claimed or self._generation in self._released):
                     self._lock.wait()  # reported already: until the agent follows the next generation
-                if self._closed or self._thread is not me or self._generation is None:
+                if self._closed or self._generation is None:
                     self._waiting = None
                     return
                 g = self._generation
@@ -148,14 +145,14 @@ class ClaimWatch:
                     continue  # a day without a claim: wait again
                 rec = ctl.claimed(g)
             except Exception:
-                self._fail(me)
+                self._fail()
                 return
             with self._lock:
                 self._waiting = None
-                if self._closed or self._thread is not me:
+                if self._closed:
                     return
-                if rec is None:  # released without a claim (an agent left): read every tick from now
-                    self._released.add(g)
+                if rec is None:  # released without a claim (an agent left, or the generation ended)
+                    self._released.add(g)  # read every tick for the rest of it
                     continue
                 self._claimed.add(g)
                 self.wakes += 1
@@ -163,8 +160,7 @@ class ClaimWatch:
                     self._last_read = 0.0
             self._notify()
 
-    def _fail(self, me: threading.Thread) -> None:
+    def _fail(self) -> None:
         with self._lock:
             self._waiting = None
-            if self._thread is me:
-                self._broken = True
+            self._broken = True

@@ -21,8 +21,9 @@ beat stopped moving.
 
 Store cost: nothing here polls a counter or reads another agent's key. A claim is one key and
 its wake-up key; ``wait_claim`` blocks on the latter without traffic and the agent reads the
-claim once a second besides (claimwatch.py); the barriers (``join``, ``wait_stopped``) are one ``add`` per agent, and the agent
-that completes the count sets one key that the others wait on; ``master`` is a wait on one key.
+claim once a second besides (claimwatch.py); the barriers (``join``, ``wait_stopped``) are one
+``add`` per agent, and the agent that completes the count sets one key that the others wait on;
+``master`` is a wait on one key.
 """
 
 from __future__ import annotations
