@@ -23,6 +23,7 @@ Call order (one agent per node, all the same code):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -30,7 +31,8 @@ import socket
 import tempfile
 import time
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
@@ -81,6 +83,9 @@ from tierckpt.launcher.watchdog import start_watchdog
 from tierckpt.launcher.workers import start_context, static_env, worker_envs
 from tierckpt.monitor import NON_FINITE_LOSS, read_beat
 from tierckpt.tiers.local import pid_alive
+
+if TYPE_CHECKING:
+    from tierckpt.agent.config import AgentConfig
 
 __all__ = ["TierckptAgent"]
 
@@ -529,10 +534,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             pass
         from tierckpt.agent import start_agent
 
-        if self.opts.agent_across_hosts:  # peers on other hosts: every interface, the job's secret
-            from dataclasses import replace
-
-            cfg = replace(cfg, listen=("0.0.0.0", cfg.listen[1]), secret=self.ctl.job_secret())
+        cfg = hosted_agent_config(cfg, across_hosts=self.opts.agent_across_hosts, job_secret=lambda: self.ctl.job_secret())
         self._node_agent = start_agent(cfg)
         self.events.emit("agent", generation=self.generation, address=list(self._node_agent.address),
                          node_id=self._node_agent.node_id, replicas=cfg.replicas)
@@ -857,6 +859,15 @@ def _store_errors() -> tuple[type[BaseException], ...]:
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:
     """``{"kind": "replace"}`` for a crash tagged for a replacement alone, else nothing."""
     return {"kind": fault["kind"]} if fault.get("kind") == REPLACE else {}
+
+
+def hosted_agent_config(cfg: AgentConfig, *, across_hosts: bool, job_secret: Callable[[], bytes]) -> AgentConfig:
+    """The hosted agent's config: for peers on other hosts (``options.agent_across_hosts``) it
+    listens on every interface, with the user's secret if one was given, else the job's generated
+    one (``job_secret``, read from the rendezvous store only then)."""
+    if not across_hosts:
+        return cfg
+    return dataclasses.replace(cfg, listen=("0.0.0.0", cfg.listen[1]), secret=cfg.secret or job_secret())
 
 
 def _fault_of(rec: dict[str, Any]) -> Fault:

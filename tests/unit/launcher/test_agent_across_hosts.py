@@ -35,9 +35,31 @@ def test_nodes_on_other_hosts_get_an_agent_on_every_interface_with_a_job_secret(
     assert not _across("--nnodes", "1", "--rdzv-endpoint", "head-node:29400")
     assert not _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400", "--replicas", "0")
     monkeypatch.setenv("TIERCKPT_AGENT_SECRET", "the job's own")
-    assert not _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400")
     assert not _across("--nnodes", "2", "--rdzv-endpoint", "head-node:29400", "--agent-listen", "0.0.0.0:7601",
                        "--memory-dir", "/dev/shm/x")
+
+
+def test_a_given_secret_without_agent_listen_still_listens_for_other_hosts_with_that_secret(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 24 item 7: a secret alone made the hosted agent listen on loopback and publish
+    127.0.0.1 to peers on other hosts (no replica could ever arrive). With a secret and no
+    --agent-listen, nodes on other hosts get an agent on every interface that keeps the user's
+    secret (the generated one is only for jobs that gave none)."""
+    monkeypatch.setenv("TIERCKPT_AGENT_SECRET", "the job's own")
+    args = _args("--nnodes", "2", "--rdzv-endpoint", "head-node:29400")
+    agent = _agent_config(args)  # type: ignore[arg-type]
+    assert agent is not None and agent.secret
+    assert _agent_across_hosts(args, agent)  # type: ignore[arg-type]
+    from tierckpt.launcher.agent import hosted_agent_config
+
+    listen = hosted_agent_config(agent, across_hosts=True, job_secret=lambda: b"generated")
+    assert listen.listen[0] == "0.0.0.0" and listen.secret == agent.secret
+    monkeypatch.delenv("TIERCKPT_AGENT_SECRET")
+    bare = _agent_config(_args("--nnodes", "2", "--rdzv-endpoint", "head-node:29400"))  # type: ignore[arg-type]
+    assert bare is not None
+    generated = hosted_agent_config(bare, across_hosts=True, job_secret=lambda: b"generated")
+    assert generated.secret == b"generated" and generated.listen[0] == "0.0.0.0"
+    assert hosted_agent_config(bare, across_hosts=False, job_secret=lambda: b"x") == bare
 
 
 def test_every_agent_of_a_job_reads_the_same_generated_secret() -> None:
