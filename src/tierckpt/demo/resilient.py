@@ -23,7 +23,11 @@ the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat),
 the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
 (sleeps) instead, like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
 With ``--fault-file PATH`` a fault starts at the first step that finds the file instead of at
-``--fault-step``.
+``--fault-step``. ``--optim adamw``: AdamW instead of SGD (state beyond the parameters).
+``--inject-dir D``: a driver asks for a fault by creating ``D/nan_rank<r>``; the rank consumes
+(deletes) the file at its next step and makes that step's loss, gradients and update NaN for
+real, as a diverging step does (the chaos soak). At the end each rank writes its model and
+optimizer state to ``<workdir>/final_rank<r>.pt`` (compared bit for bit with a fault-free run's).
 """
 
 from __future__ import annotations
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="at most this many faults in all, counted in <workdir>/faults_done (0: no limit)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (built once per process)")
     ap.add_argument("--inprocess", action="store_true", help="run under tierckpt.resilient: in-process restarts")
+    ap.add_argument("--optim", choices=["sgd", "adamw"], default="sgd")
+    ap.add_argument("--inject-dir", help="NaN on request: a rank that finds <dir>/nan_rank<r> deletes it and diverges")
     ap.add_argument("--ballast-mib", type=int, default=0,
                     help="a buffer of this many MiB per rank in the model's state (saved, restored, a slice changed "
                     "every step; never all-reduced): a state whose copy takes time on a slow link")
@@ -134,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ballast_mib > 0:
         model.register_buffer("ballast", torch.randn(args.ballast_mib << 18, generator=torch.Generator().manual_seed(
             1000 + rank_env)))
-    optim = torch.optim.SGD(model.parameters(), lr=0.05)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3) if args.optim == "adamw" \
+        else torch.optim.SGD(model.parameters(), lr=0.05)
     forward = torch.compile(model) if args.compile else model  # built once: in-process restarts keep it
     if args.inprocess:
         from tierckpt.inprocess import Generation, resilient
@@ -149,8 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         _trace(trace, "pg")
         _train(args, model, forward, optim, trace, faulty, inproc=None)
         dist.destroy_process_group()
+    torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, work / f"final_rank{rank_env}.pt")
     _trace(trace, "done", step=args.steps)
     return 0
+
+
+def _take(inject_dir: str | None, rank: int) -> bool:
+    """The driver asked this rank for a NaN (``--inject-dir``): consume the request, once."""
+    if not inject_dir:
+        return False
+    try:
+        os.unlink(os.path.join(inject_dir, f"nan_rank{rank}"))
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def _faults_spent(args: argparse.Namespace, work: Path) -> bool:
@@ -193,6 +212,10 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
             g = torch.Generator().manual_seed(step * 100 + rank)
             x, y = torch.randn(64, 32, generator=g), torch.randint(0, 8, (64,), generator=g)
             loss = torch.nn.functional.cross_entropy(forward(x), y)
+            injected = _take(args.inject_dir, rank)
+            if injected:  # a real divergence: NaN gradients, a NaN update, held back by monitor.step below
+                _trace(trace, "fault", step=step, fault="nan", inproc=inproc, injected=True)
+                loss = loss * math.nan
             t_fwd = time.time() - t_step
             optim.zero_grad()
             loss.backward()

@@ -417,7 +417,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         for local_rank, tr in self._trackers.items():
             problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started)
             if problem is not None:
-                return self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
+                rec = self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
+                return {**rec, "stopped": True} if tr.stopped() else rec
         self._report_calibration()
         for (local_rank, _), (_reader, mon) in self._rules.items():
             verdict = mon.check(now)

@@ -142,6 +142,10 @@ class BeatTracker:
         return self.evidence.known and \
             self.evidence.idle_for() >= self.policy.hang.idle_limit(self.profile) - 2.0
 
+    def stopped(self) -> bool:
+        """The rank's process is stopped now (SIGSTOP, a debugger): no in-process restart can reach it."""
+        return self.evidence.known and self.evidence.stopped_for() >= self.policy.hang.stopped_s
+
     def check(self, now: float, *, peer_busy: bool = False, started: bool = False) -> tuple[str, str] | None:
         """(reason, detail) when this rank is faulty now, else None.
 

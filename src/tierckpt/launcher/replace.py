@@ -61,11 +61,12 @@ def route(fault: Mapping[str, Any], *, node: int | None, wrapped: bool, budget_l
 
     ``wrapped``: every local worker reported ``ready`` under the wrapper; ``budget_left``: the
     in-process restarts are not used up. A tagged crash is replaced on its node and restarted
-    in-process elsewhere; an untagged crash, a lost node or store, a membership change and a
-    deadline take the process path; any other fault goes in-process where the workers allow it.
+    in-process elsewhere; an untagged crash, a lost node or store, a membership change, a
+    deadline and a hang of a stopped process take the process path; any other fault goes in-process where the workers allow it.
     """
     reason = str(fault.get("reason", ""))
-    if not (wrapped and budget_left) or reason.endswith("Deadline"):
+    # a stopped process (``stopped``: hang.py's first rule) never answers an in-process request
+    if not (wrapped and budget_left) or reason.endswith("Deadline") or fault.get("stopped"):
         return Route.PROCESS
     if fault.get("kind") == REPLACE and reason == "Crash":
         return Route.REPLACE if node is not None and fault.get("node") == node else Route.INPROCESS

@@ -46,6 +46,10 @@ def test_a_crash_is_tagged_only_when_replaceable_and_the_decision_restarts() -> 
     ({"reason": "Hang", "node": 1}, 0, True, True, Route.INPROCESS),
     ({"reason": "NonFiniteLoss", "node": 0}, 0, True, True, Route.INPROCESS),
     ({"reason": "Hang", "node": 1}, 0, False, True, Route.PROCESS),
+    # a stopped process (SIGSTOP, a stopped debugger) cannot take an in-process restart: every node
+    # waited the 30 s in-process timeout for it before the process path (found by the chaos soak)
+    ({"reason": "Hang", "node": 1, "stopped": True}, 0, True, True, Route.PROCESS),
+    ({"reason": "Hang", "node": 1, "stopped": True}, 1, True, True, Route.PROCESS),
 ])
 def test_route(fault: dict[str, object], node: int | None, wrapped: bool, budget: bool, want: Route) -> None:
     assert route(fault, node=node, wrapped=wrapped, budget_left=budget) == want
