@@ -179,7 +179,9 @@ class Resilient(Generic[T]):
         t_fault = self._fault_time or t_left
         # the first fault marked wins: a peer's "connection closed" names the cause, not itself
         first = store.compare_set(f"{self._keys}{k}/fault", "", f"{mine} on rank {gen.rank}")
-        reason = bytes(first).decode().split(" on rank ")[0] or mine
+        marked = bytes(first).decode()
+        reason = marked.split(" on rank ")[0] or mine
+        culprit = _rank_of(marked, gen.rank)  # whose fault it was: the first rank that marked one
         aborter.abort()
         self._fault.set()
         watchdog.join()
@@ -194,7 +196,8 @@ class Resilient(Generic[T]):
             reason = store.get(f"{self._keys}{k}/crash").decode()
         stages = {"leave": t_left - t_fault, "stop": t_stop - t_left, "barrier": time.time() - t_stop}
         _report(report, event="restart", k=k + 1, rank=gen.rank, reason=reason, pid=os.getpid(),
-                fault_time=t_fault, error=f"{type(exc).__name__}: {exc}"[:300], stages_s=stages, replaced=replaced)
+                fault_time=t_fault, error=f"{type(exc).__name__}: {exc}"[:300], stages_s=stages, replaced=replaced,
+                **({} if reason == "launcher request" else {"fault_rank": culprit}))
         return Generation(k + 1, gen.rank, gen.world_size, reason=reason, stages_s=stages, fault_time=t_fault)
 
     def _watch(self, store: Any, k: int, aborter: _Aborter, monitor_dir: str | None) -> None:
@@ -323,3 +326,9 @@ def _report(path: str | None, **rec: Any) -> None:
         return
     with open(path, "a") as f:
         f.write(json.dumps({"time": time.time(), **rec}) + "\n")
+
+
+def _rank_of(marked: str, default: int) -> int:
+    """The rank named by a fault mark (``"<reason> on rank <r>"``); ``default`` when it names none."""
+    _, sep, rank = marked.rpartition(" on rank ")
+    return int(rank) if sep and rank.isdigit() else default

@@ -70,7 +70,7 @@ def _trace(tmp: Path, rank: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (tmp / "work" / f"trace_rank{rank}.jsonl").read_text().splitlines()]
 
 
-def _check(tmp: Path, reason: str) -> None:
+def _check(tmp: Path, reason: str, culprit: int | None = 1) -> None:
     for rank in (0, 1):
         tr = _trace(tmp, rank)
         assert len({e["pid"] for e in tr}) == 1, "the process must survive the fault"
@@ -86,6 +86,8 @@ def _check(tmp: Path, reason: str) -> None:
         reports = [json.loads(x) for x in (tmp / "mon" / f"inproc_{rank}.jsonl").read_text().splitlines()]
         restarts = [r for r in reports if r["event"] == "restart"]
         assert len(restarts) == 1 and restarts[0]["k"] == 1 and reason in restarts[0]["reason"], restarts
+        if culprit is not None:  # both ranks name the rank whose fault it was, not themselves
+            assert restarts[0]["fault_rank"] == culprit, restarts
 
 
 @pytest.mark.timeout(200)
@@ -106,4 +108,4 @@ def test_hang_in_all_reduce_restarts_in_process(tmp_path: Path, shm: Any) -> Non
     time.sleep(1.0)  # rank 0 is now blocked in its all-reduce
     (tmp_path / "mon" / "inproc_request").write_text("1")  # what tierckpt run writes on a hang
     _wait(procs, tmp_path)
-    _check(tmp_path, "launcher request")
+    _check(tmp_path, "launcher request", culprit=None)  # the launcher asked: it names the culprit

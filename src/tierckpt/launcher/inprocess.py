@@ -86,7 +86,7 @@ class InProcessRestarts:
             self._seen.add(k)
             rearm = True
             first = min(self._records[k], key=lambda r: float(r["fault_time"]))
-            self.events.emit("fault", generation=generation, reason=first["reason"], rank=first.get("rank"),
+            self.events.emit("fault", generation=generation, reason=first["reason"], rank=first.get("fault_rank", first.get("rank")),
                              detail=first.get("error"), inprocess=k)
             self.events.emit("restart", generation=generation, kind="inprocess", reason=first["reason"],
                              inprocess=k, stages_s=first.get("stages_s"),

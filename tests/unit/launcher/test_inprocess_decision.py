@@ -49,6 +49,20 @@ def test_worker_restart_becomes_inprocess_events_once_all_ranks_reported(tmp_pat
     assert recs[0]["reason"] == "NonFiniteLoss" and recs[0]["rank"] == 1
 
 
+def test_the_fault_event_names_the_rank_whose_fault_it_was(tmp_path: Path) -> None:
+    """A node whose worker restarted because of a peer's NaN reports the peer (``fault_rank``), not
+    itself: the chaos soak saw node 1 blame rank 1 for rank 0's NaN."""
+    ev = Events(str(tmp_path / "ev.jsonl"), node=1)
+    ip = InProcessRestarts(ev)
+    ip.arm(str(tmp_path), [0])
+    _write(tmp_path, 0, event="restart", k=1, reason="NonFiniteLoss", rank=1, fault_rank=0, fault_time=time.time(),
+           error="RuntimeError: Connection closed by peer", stages_s={})
+    assert ip.poll(0)
+    ev.close()
+    fault = _events(tmp_path / "ev.jsonl")[0]
+    assert fault["event"] == "fault" and fault["rank"] == 0 and fault["reason"] == "NonFiniteLoss", fault
+
+
 def test_request_waits_for_every_local_worker_and_times_out(tmp_path: Path) -> None:
     ev = Events(str(tmp_path / "ev.jsonl"), node=0)
     ip = InProcessRestarts(ev, timeout_s=0.3)
