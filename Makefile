@@ -19,7 +19,8 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	@sh tests/cluster/install.sh
-	$(BIN)/python -m pytest -q -m slow
+	# two workers: the scenarios mostly wait (detection, restarts); hosts and benches each stay serial (tests/conftest.py)
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadgroup
 
 test-all: test test-slow
 

@@ -49,3 +49,16 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Any]:
     yield make
     for where in mounted:
         subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``make test-slow`` runs the scenario tier on two pytest-xdist workers (``--dist loadgroup``):
+    the namespaced-host tests (``tests/cluster``: bridges, a real slurmctld) stay on one worker,
+    one after another, and so do the benchmarks (they measure: one at a time); the loopback
+    scenarios share the other worker and fill in. Without xdist the marks do nothing."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path.startswith("tests/cluster/"):
+            item.add_marker(pytest.mark.xdist_group("hosts"))
+        elif path.startswith("tests/bench/") or path.endswith("_bench.py"):
+            item.add_marker(pytest.mark.xdist_group("bench"))
