@@ -9,6 +9,7 @@ Job / pod templates with kubernetes-validate. deploy/k8s/e2e.sh runs on a real c
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
@@ -352,3 +353,44 @@ def test_bad_spares_are_refused_naming_the_field(tmp_path: Path, capsys: pytest.
     job = _seed_with(tmp_path, change)
     assert cli_main(["k8s", "render", str(job), *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def _pod_specs(docs: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    if "JobSet" in docs:
+        return [docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]]
+    return [r["template"]["spec"] for r in docs["PyTorchJob"]["spec"]["pytorchReplicaSpecs"].values()]
+
+
+@pytest.mark.parametrize("target", ["jobset", "pytorchjob"])
+def test_every_pod_avoids_nodes_labelled_for_this_job_and_knows_its_node(tmp_path: Path, target: str) -> None:
+    """A full job restart's repeat offender: a node labelled ``tierckpt.io/avoid=<job>`` gets no
+    pod of the job (the other jobs' labels do not matter); each pod's launcher knows its node."""
+    docs = by_kind(render(tmp_path, "--target", target))
+    for pod in _pod_specs(docs):
+        validate_pod_template({"metadata": {}, "spec": pod})
+        terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+        assert terms == [{"matchExpressions": [{"key": "tierckpt.io/avoid", "operator": "NotIn",
+                                                "values": ["llama3-1-8b-fsdp"]}]}]
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["TIERCKPT_NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    if target == "jobset":
+        crd_validate(docs["JobSet"], "jobset.x-k8s.io_v1alpha2.json")
+    else:
+        crd_validate(docs["PyTorchJob"], "kubeflow.org_v1_pytorchjob.json")
+
+
+def test_the_avoid_rule_is_anded_into_the_templates_own_node_affinity(tmp_path: Path) -> None:
+    job = yaml.safe_load(SEED.read_text())
+    own = [{"matchExpressions": [{"key": "node.kubernetes.io/instance-type", "operator": "In",
+                                  "values": ["ml.p5.48xlarge"]}]},
+           {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]
+    pod = job["spec"]["replicaSpecs"][0]["template"]["spec"]
+    pod["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": copy.deepcopy(own)}}}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    (spec,) = _pod_specs(by_kind(render(tmp_path, job=path)))
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    rule = {"key": "tierckpt.io/avoid", "operator": "NotIn", "values": ["llama3-1-8b-fsdp"]}
+    assert terms == [{"matchExpressions": [*t["matchExpressions"], rule]} for t in own]  # each term ANDs it
+    validate_pod_template({"metadata": {}, "spec": spec})

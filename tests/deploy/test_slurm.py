@@ -3,7 +3,11 @@
 Slurm cannot run here, so ``srun`` and ``scontrol`` are stand-ins on PATH (said here, as the
 project's rules ask): the fake srun starts its command once per node with that node's
 SLURM_NODEID, as srun --ntasks-per-node=1 would, and returns the highest exit code; the fake
-scontrol expands the node list and records requeues. The batch script itself runs for real.
+scontrol expands the node list and records every call in order (``show job -o`` answers with
+``$FAKE_EXC`` as the job's ExcNodeList), so the order of the requeue, the exclusion and the release
+is checked against what real Slurm requires (an ExcNodeList changes on a pending job only); the
+fake tierckpt writes ``$FAKE_AVOID`` to its ``--avoid-file`` as the launcher does at a full
+restart. The batch script itself runs for real.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ done
 exit $worst
 """
 FAKE_SCONTROL = """#!/bin/bash
+[[ "$1" != show ]] && echo "$*" >> "$FAKE_LOG/scontrol.calls"
 case "$1 $2" in
   "show hostnames") echo gpu-a; echo gpu-b ;;
+  "show job") echo "JobId=$4 JobName=llama ReqNodeList=(null) ExcNodeList=${FAKE_EXC:-(null)} NodeList=gpu-[a-b]" ;;
+  requeuehold*|release*|update*) ;;
   requeue*) echo "$2" >> "$FAKE_LOG/requeued" ;;
   *) exit 9 ;;
 esac
@@ -39,13 +46,18 @@ esac
 FAKE_TIERCKPT = """#!/bin/bash
 printf '%s\\n' "$@" > "$FAKE_LOG/tierckpt.$SLURM_NODEID"
 echo "$TIERCKPT_AGENT_SECRET" > "$FAKE_LOG/secret.$SLURM_NODEID"
+echo "$TIERCKPT_NODE_NAME" > "$FAKE_LOG/node_name.$SLURM_NODEID"
+while [[ $# -gt 0 ]]; do
+  if [[ "$1" == --avoid-file && -n "${FAKE_AVOID:-}" ]]; then printf '%s' "$FAKE_AVOID" > "$2"; fi
+  shift
+done
 exit "$FAKE_RC"
 """
 
 
 def run_sbatch(tmp_path: Path, rc: int, **env: str) -> tuple[int, Path, str]:
     bindir, log = tmp_path / "bin", tmp_path / "log"
-    bindir.mkdir()
+    bindir.mkdir(parents=True)
     log.mkdir()
     for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("tierckpt", FAKE_TIERCKPT)):
         (bindir / name).write_text(body)
@@ -93,7 +105,33 @@ def test_exit_75_requeues_the_job(tmp_path: Path) -> None:
     rc, log, out = run_sbatch(tmp_path, 75)
     assert rc == 75
     assert (log / "requeued").read_text().split() == ["4242"]
+    assert (log / "scontrol.calls").read_text().splitlines() == ["requeue 4242"]  # nobody to avoid
     assert "requeueing job 4242" in out
+
+
+def test_exit_75_excludes_the_avoided_nodes_from_the_requeued_job(tmp_path: Path) -> None:
+    """The launchers named gpu-b at the full restart: the job is requeued held, gpu-b is added to
+    the job's own exclusions while it is pending, and it is released; each node's launcher was
+    told its Slurm node name and the hint file's path."""
+    rc, log, out = run_sbatch(tmp_path, 75, FAKE_AVOID="gpu-b\n", FAKE_EXC="gpu-z", SLURMD_NODENAME="gpu-a")
+    assert rc == 75, out
+    assert (log / "scontrol.calls").read_text().splitlines() == [
+        "requeuehold 4242", "update JobId=4242 ExcNodeList=gpu-z,gpu-b", "release 4242"]
+    assert "avoids repeat offender(s) gpu-b" in out
+    avoid = f"{tmp_path}/tierckpt-logs/4242/avoid"
+    for node in (0, 1):
+        assert build_parser().parse_args((log / f"tierckpt.{node}").read_text().splitlines()[1:]).avoid_file == avoid
+        assert (log / f"node_name.{node}").read_text().strip() == "gpu-a"
+
+
+def test_a_stale_avoid_list_is_not_used_and_excluding_can_be_turned_off(tmp_path: Path) -> None:
+    logs = tmp_path / "tierckpt-logs" / "4242"
+    logs.mkdir(parents=True)
+    (logs / "avoid").write_text("gpu-b\n")  # an earlier run's: this run's launchers wrote none
+    rc, log, _ = run_sbatch(tmp_path, 75)
+    assert rc == 75 and (log / "scontrol.calls").read_text().splitlines() == ["requeue 4242"]
+    rc, log, _ = run_sbatch(tmp_path / "off", 75, FAKE_AVOID="gpu-b\n", TIERCKPT_AVOID_EXCLUDE="0")
+    assert rc == 75 and (log / "scontrol.calls").read_text().splitlines() == ["requeue 4242"]
 
 
 @pytest.mark.parametrize("code", [1, 143])

@@ -11,6 +11,12 @@ its options) to plain dicts, dumped as YAML by the caller. The exit-code contrac
   that dies with its node or by preemption (``DisruptionTarget``) is recreated without counting.
 - PyTorchJob: ``restartPolicy: ExitCode`` treats 1-127 as permanent and 128-255 as retryable,
   so the container's shell maps 75 to 175 (and forwards SIGTERM so the launcher can persist).
+
+Repeat offenders at a full job restart (docs/deploy.md "Kubernetes"): every pod requires a node
+without the label ``tierckpt.io/avoid=<job name>`` (``nodeAffinity``, ANDed into each of the
+template's own required terms), and knows its node by name (``TIERCKPT_NODE_NAME`` from the
+downward API's ``spec.nodeName``), so the launcher's ``offender`` event names the node to label
+and a recreated pod that lands on an avoided node anyway is kept from its rank (launcher/avoid.py).
 """
 
 from __future__ import annotations
@@ -19,9 +25,12 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["EXIT_FULL_RESTART", "RenderSpec", "configmap", "jobset", "pytorchjob", "secret"]
+__all__ = ["AVOID_LABEL", "EXIT_FULL_RESTART", "RenderSpec", "avoid_nodes", "configmap", "jobset", "pytorchjob",
+           "secret"]
 
 EXIT_FULL_RESTART = 75
+#: a node labelled ``tierckpt.io/avoid=<job name>`` gets no pod of that job (``avoid_nodes``)
+AVOID_LABEL = "tierckpt.io/avoid"
 #: Kubeflow's ExitCode policy retries 128-255 only; 75 + 100 lands there and reads back easily
 PYTORCHJOB_RETRY_CODE = 175
 JOB_FILE_DIR = "/etc/tierckpt/job"
@@ -127,9 +136,13 @@ def _pod_template(spec: RenderSpec, endpoint: str, peers: list[str], *, wrapper:
     else:
         c["command"] = ["tierckpt", "run"]
     c["args"] = args
-    env = [e for e in c.get("env", []) if not e.get("name", "").startswith("TIERCKPT_METRICS_")]
+    env = [e for e in c.get("env", []) if not e.get("name", "").startswith("TIERCKPT_METRICS_")
+           and e.get("name") != "TIERCKPT_NODE_NAME"]
     env += [{"name": "TIERCKPT_METRICS_PORT", "value": str(spec.library_metrics_port)},
-            {"name": "TIERCKPT_METRICS_HOST", "value": "0.0.0.0"}]
+            {"name": "TIERCKPT_METRICS_HOST", "value": "0.0.0.0"},
+            # the node's name, which a full restart's avoid list names (not the pod's host name)
+            {"name": "TIERCKPT_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    avoid_nodes(pod, spec.name)
     c["env"] = env
     ports = [p for p in c.get("ports", []) if p.get("name") not in ("rdzv", "agent", "metrics")]
     ports += [{"name": "rdzv", "containerPort": spec.rdzv_port, "protocol": "TCP"},
@@ -150,6 +163,22 @@ def _pod_template(spec: RenderSpec, endpoint: str, peers: list[str], *, wrapper:
         mounts.append({"name": "tierckpt-memory", "mountPath": spec.memory_dir})
         volumes.append({"name": "tierckpt-memory", "hostPath": {"path": spec.memory_dir, "type": "DirectoryOrCreate"}})
     return tmpl
+
+
+def avoid_nodes(pod: dict[str, Any], job: str) -> None:
+    """Require, in the pod spec ``pod``, a node not labelled ``tierckpt.io/avoid=<job>`` (absent
+    or another value): added to every required term of the template's own node affinity (the
+    terms are ORed, their expressions ANDed), or as the only term."""
+    expr = {"key": AVOID_LABEL, "operator": "NotIn", "values": [job]}
+    node = pod.setdefault("affinity", {}).setdefault("nodeAffinity", {})
+    required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+    terms = required.setdefault("nodeSelectorTerms", [])
+    if not terms:
+        terms.append({})
+    for term in terms:
+        exprs = term.setdefault("matchExpressions", [])
+        if expr not in exprs:
+            exprs.append(expr)
 
 
 def jobset(spec: RenderSpec) -> dict[str, Any]:

@@ -151,6 +151,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
         self._seat_beat: SeatBeat | None = None  # beats until the first round formed (seats.py)
         self._aside = False  # standing aside as a repeat offender (agent_membership._stand_aside)
+        self._avoid_next: list[dict[str, Any]] = []  # avoid list of the last full job restart (state file)
+        self._avoid_checked = False  # looked itself up in it at its first spare gate (agent_membership)
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> dict[str, Any]:
@@ -162,7 +164,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                             "job_started": self._job_started, "hang": self._learn().to_dict(),
                             "restarts": self._restarts, "resume_before": self.resume_before,
                             "membership_changes": self._changes_before + self._changes,
-                            "offenses": self._avoid.remembered})
+                            "offenses": self._avoid.remembered, "avoid": self._avoid_next})
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -215,6 +217,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             local_full=int(st.get("full_restarts", 0)))
         self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
         self._avoid.remember(job_store, st.get("offenses"))
+        self._avoid_after_round(job_store, st)  # the last full restart's avoid list; this node's machine
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
 
@@ -776,6 +779,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
 
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
         g = self.generation
+        if decision.action == Action.FULL_RESTART:  # before the exit barrier: the store is still up
+            self._avoid_at_full_restart(g)
         self._persist(barrier=all_here)
         if all_here:  # the store's host must not leave while the others still read it
             self._barrier(f"exit/{g}", timeout=30.0)

@@ -8,6 +8,8 @@ Call order (``TierckptAgent``; see agent.py's module doc):
     _join           -> _spare_gate (-> _standing_by)          # before torch's rendezvous
     _detect         -> _arrived                               # every poll: a MembershipChange
     _recover        -> _keep_out; then _stand_aside (the offender) or _regroup (-> _lost_nodes)
+    _join           -> _avoid_after_round                     # after each rendezvous round
+    _finish         -> _avoid_at_full_restart                 # a FULL_RESTART decision, before the exit barrier
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from tierckpt.launcher import ranks
-from tierckpt.launcher.avoid import KeepOut, RepeatOffenders, leave_round
+from tierckpt.launcher.avoid import (
+    Avoided,
+    KeepOut,
+    RepeatOffenders,
+    agree_avoid,
+    avoided,
+    leave_round,
+    publish_machine,
+    write_avoid_file,
+)
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.membership import MEMBERSHIP_CHANGE, Change, shrink
@@ -48,6 +59,8 @@ class MembershipPath:
     _avoid: RepeatOffenders
     _seat_beat: SeatBeat | None
     _aside: bool  # this agent stands aside as a repeat offender: other waiting spares take seats first
+    _avoid_next: list[dict[str, Any]]  # the avoid list of the last full job restart (the state file's "avoid")
+    _avoid_checked: bool  # this process looked itself up in that list (at its first spare gate)
 
     if TYPE_CHECKING:  # the agent's (agent.py)
         @property
@@ -64,6 +77,8 @@ class MembershipPath:
         def _ended(self, exc: JobEnded) -> RunResult: ...
 
         def _settle(self, job_store: Any, *, spare_since: float | None, via: str) -> None: ...
+
+        def _load_state(self) -> dict[str, Any]: ...
 
     def _regroup(self, fault: dict[str, Any], g: int) -> bool:
         """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
@@ -131,14 +146,71 @@ class MembershipPath:
                            connect=lambda: connect_client(str(host), int(port))) \
             if isinstance(host, str) and isinstance(port, int) else None
         pool = self._pool
+        me = self._avoided_here(job_store)
         gate = SpareGate(job_store, max_nodes, self._standing_by,
                          ready=lambda: pool is None or pool.workers_ready(),
-                         on_warm=lambda: self._standing_by(None), seats=seats, offender=self._aside)
+                         on_warm=lambda: self._standing_by(None), seats=seats, offender=self._aside or me is not None,
+                         hold_s=self.opts.avoid.wait_s if me is not None else 0.0, on_hold_over=self._avoid_ended)
         try:
             return gate.wait()
         finally:
             if gate.beat is not None:
                 self._seat_beat = gate.beat
+
+    def _avoided_here(self, job_store: Any) -> Avoided | None:
+        """At this process's first spare gate: this node's entry in the avoid list of the last
+        full job restart (its state file's, merged with the store's; avoid.py), reported as a
+        ``spare`` event with ``state: "avoided"`` (written at once: the node holds no rank)."""
+        if self._avoid_checked or not self._avoid.enabled:
+            return None
+        self._avoid_checked = True
+        identity = ranks.identity(self.opts.memory_dir)
+        me = avoided(agree_avoid(job_store, self._load_state().get("avoid")), identity, self.opts.avoid)
+        if me is not None:
+            self.events.emit("spare", generation=self.generation, state="avoided", identity=identity,
+                             machine=me.machine, faults=me.faults, wait_s=self.opts.avoid.wait_s,
+                             why=f"a repeat offender at the last full job restart ({me.faults} faults within "
+                                 f"evalPeriodSeconds {self._avoid.policy.window_s}): other nodes take the seats "
+                                 "first; it stands behind every other spare")
+        return me
+
+    def _avoid_ended(self) -> None:
+        """An avoided node's hold at the first round's seats ended with a seat still free: it takes it."""
+        self.events.emit("spare", generation=self.generation, state="avoid_ended",
+                         identity=ranks.identity(self.opts.memory_dir),
+                         why=f"no other node took the first round's free seat within --avoid-wait "
+                             f"{self.opts.avoid.wait_s:g}s: this node takes it (the job does not start short)")
+
+    def _avoid_after_round(self, job_store: Any, state: dict[str, Any]) -> None:
+        """After a rendezvous round: carry the last full restart's avoid list (``state``'s) to this
+        incarnation's state saves, and publish this node's machine name (avoid.publish_machine)."""
+        if not self._avoid.enabled:
+            return
+        self._avoid_next = [a.to_dict() for a in Avoided.parse(state.get("avoid"))]
+        publish_machine(job_store, ranks.identity(self.opts.memory_dir), self.opts.avoid.machine_name())
+
+    def _avoid_at_full_restart(self, g: int) -> None:
+        """A FULL_RESTART decision, before the exit barrier (the store is up): the repeat offenders
+        the next start avoids (avoid.RepeatOffenders.at_full_restart, the same on every node), as
+        ``offender`` events with ``at: "full_restart"``, the state file's ``avoid`` (``_save_state``)
+        and the scheduler's hint file (``--avoid-file``)."""
+        if not self._avoid.enabled:
+            return
+        out = self._avoid.at_full_restart(self.ctl.store, g)
+        rank_of = {ident: rank for rank, ident in self._members.items()}
+        for a in out:
+            self.events.emit("offender", generation=g, at="full_restart", node=rank_of.get(a.identity),
+                             identity=a.identity, machine=a.machine, faults=a.faults,
+                             max_avoid=self._avoid.policy.max_avoid, window_s=self._avoid.policy.window_s,
+                             why=f"{a.faults} faults within evalPeriodSeconds {self._avoid.policy.window_s}: "
+                                 "the next start avoids this node")
+        self._avoid_next = [a.to_dict() for a in out]
+        path = self.opts.avoid.file
+        if path is not None:
+            try:
+                write_avoid_file(path, out)
+            except OSError as exc:  # the exit goes on; the scheduler gets no hint
+                self.events.emit("warning", generation=g, what=f"--avoid-file {path}: {exc}")
 
     def _standing_by(self, job_nodes: int | None) -> None:
         """This agent stands by as a spare (``job_nodes``: the job's nodes), or its standbys just

@@ -18,6 +18,18 @@ The offenses are also kept in the restart-state file (``remembered`` / ``remembe
 full job restart (a new store) still knows them: every agent merges its own into the new store
 after the first rendezvous round.
 
+At a **full job restart** (``FULL_RESTART``, exit 75) the next start should avoid the offenders:
+``at_full_restart`` agrees (first answer wins, ``tierckpt/run/keep-out/full/<g>``) on at most
+``maxNumRepeatOffendersToAvoid`` of them, with no spare cap (the scheduler supplies the nodes,
+offenders.py), each as an ``Avoided`` (identity, the scheduler's name of its machine as the node
+published it with ``publish_machine``, faults in the window). The agent writes them to the
+restart-state file (``avoid``), as ``offender`` events (``at: "full_restart"``) and to the
+scheduler's hint file (``write_avoid_file``: one machine name a line). At the next start an
+agent that finds itself in that list (``avoided``; the list of its own state file, merged with
+the one the first agent published in the new store, ``agree_avoid``) waits at the spare gate as
+an offender: it takes no first-round seat for ``AvoidSettings.wait_s`` (other nodes take them),
+then stands behind every other spare; a seat still free when that wait ends is its own.
+
 Call order (``TierckptAgent``):
 
     avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(run_policy.restart_policy))
@@ -26,21 +38,85 @@ Call order (``TierckptAgent``):
     out = avoid.keep_out(job_store, g, fault, members, spares=spares_waiting(job_store))  # a restart, all stopped
     ...an agent whose rank is in ``out``: events "offender"; leave_round(handler); the spare gate
     state["offenses"] = avoid.remembered                           # with every restart-state save
+    publish_machine(job_store, identity, machine)                  # after each rendezvous round
+    out = avoid.at_full_restart(job_store, g)                      # a FULL_RESTART decision, before the exit barrier
+    write_avoid_file(settings.file, out); state["avoid"] = [a.to_dict() for a in out]
+    ...the next start, before the spare gate:
+    me = avoided(agree_avoid(job_store, state.get("avoid")), identity, settings)   # None: not avoided
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import math
+import os
+import socket
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+from tierckpt.errors import ConfigError
 from tierckpt.launcher.offenders import NodeFault, OffenderPolicy, attribute
 
-__all__ = ["KeepOut", "RepeatOffenders", "leave_round"]
+__all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided", "leave_round",
+           "publish_machine", "write_avoid_file"]
 
 _OFFENSES = "tierckpt/run/offenses"
 _KEEP_OUT = "tierckpt/run/keep-out/"
+_MACHINE = "tierckpt/run/machine/"  # <identity>: the scheduler's name of that node's machine
+_AVOID = "tierckpt/run/avoid"  # the avoid list of the last full job restart, as the first agent of this start knew it
+
+
+@dataclass(frozen=True, kw_only=True)
+class AvoidSettings:
+    """Repeat offenders at full job restarts (``tierckpt run`` options; see the module doc).
+
+    file      the scheduler's hint (``--avoid-file`` / ``$TIERCKPT_AVOID_FILE``): rewritten at every
+              full job restart with one machine name a line (empty: none avoided); None: not written
+    wait_s    how long a relaunched offender leaves the first round's seats to other nodes before
+              it takes a free one itself (``--avoid-wait``); 0: it does not wait
+    machine   the scheduler's name for this node's machine (``$TIERCKPT_NODE_NAME``: the Kubernetes
+              node, from the downward API; Slurm's node name). Given, a node is avoided by machine
+              (a recreated pod keeps its host name but may land elsewhere); "": by identity
+              (``host:memory root``), and the host name stands for the machine in the hint
+    """
+
+    file: str | None = None
+    wait_s: float = 120.0
+    machine: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, (int, float)) \
+                or not math.isfinite(self.wait_s) or self.wait_s < 0:
+            raise ConfigError(f"--avoid-wait must be 0 or more seconds, got {self.wait_s!r}")
+        if self.file is not None and not self.file:
+            raise ConfigError("--avoid-file must name a file (or leave it out)")
+
+    def machine_name(self) -> str:
+        return self.machine or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class Avoided:
+    """One node the next start avoids: its identity, its machine's name, its faults in the window."""
+
+    identity: str
+    machine: str
+    faults: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"identity": self.identity, "machine": self.machine, "faults": self.faults}
+
+    @classmethod
+    def parse(cls, raw: Any) -> list[Avoided]:
+        """The entries of a restart-state file's or the store's ``avoid`` list; damaged ones dropped."""
+        if not isinstance(raw, list):
+            return []
+        return [cls(str(e["identity"]), str(e["machine"]), int(e["faults"])) for e in raw
+                if isinstance(e, dict) and isinstance(e.get("identity"), str) and isinstance(e.get("machine"), str)
+                and isinstance(e.get("faults"), int) and not isinstance(e.get("faults"), bool)]
 _ABSENT = b"\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without blocking or writing
 
 
@@ -98,6 +174,25 @@ class RepeatOffenders:
         ranks = tuple(sorted(rank for rank, ident in members.items() if ident in agreed["out"]))
         return KeepOut(ranks, tuple(members[r] for r in ranks), int(agreed["spares"]))
 
+    def at_full_restart(self, store: Any, generation: int) -> list[Avoided]:
+        """The nodes the next start of the job avoids (``OffenderPolicy.avoid_at_full_restart`` on
+        the offenses in the store), the same on every agent: the first answer for ``generation``
+        wins. Called before the exit barrier, while the store is up; if it is gone, this agent's
+        own answer from the offenses it last read (``RuntimeError``: torch's ``DistError``)."""
+        if not self.enabled:
+            return []
+        try:
+            self.remembered = {**self.remembered, **_read(store, _OFFENSES)}
+            mine = self._avoided(lambda ident: _read_text(store, f"{_MACHINE}{ident}"))
+            body = json.dumps([a.to_dict() for a in mine]).encode()
+            return Avoided.parse(json.loads(bytes(store.compare_set(f"{_KEEP_OUT}full/{generation}", b"", body))))
+        except RuntimeError:
+            return self._avoided(lambda ident: None)
+
+    def _avoided(self, machine_of: Callable[[str], str | None]) -> list[Avoided]:
+        return [Avoided(ident, machine_of(ident) or ident.split(":", 1)[0], self.count(ident))
+                for ident in self.policy.avoid_at_full_restart(self.faults())]
+
     def faults(self) -> list[NodeFault]:
         """The attributed faults as last read, oldest first."""
         return sorted((NodeFault(str(v["identity"]), float(v["time"])) for v in self.remembered.values()),
@@ -111,6 +206,56 @@ class RepeatOffenders:
         newest = max(f.time for f in faults)
         window = self.policy.window_s
         return sum(1 for f in faults if f.identity == identity and (window is None or f.time >= newest - window))
+
+
+def publish_machine(store: Any, identity: str, machine: str) -> None:
+    """This node's machine name under its identity, for the avoid list of a full job restart
+    (after each rendezvous round; one store operation)."""
+    store.set(f"{_MACHINE}{identity}", machine.encode())
+
+
+def agree_avoid(store: Any, mine: Any) -> list[Avoided]:
+    """Before the spare gate of a start: the avoid list of this node's restart-state file, merged
+    with the one the first agent of this start published (which this call publishes when it is
+    the first with one), so a node whose state file lacks the list still learns it."""
+    own = Avoided.parse(mine)
+    key_body = json.dumps([a.to_dict() for a in own]).encode()
+    raw = bytes(store.compare_set(_AVOID, b"", key_body)) if own else bytes(store.compare_set(_AVOID, _ABSENT, _ABSENT))
+    try:
+        theirs = Avoided.parse(json.loads(raw)) if raw != _ABSENT else []
+    except ValueError:
+        theirs = []
+    seen = {a.identity for a in own}
+    return own + [a for a in theirs if a.identity not in seen]
+
+
+def avoided(entries: Sequence[Avoided], identity: str, settings: AvoidSettings) -> Avoided | None:
+    """This node's entry in the avoid list: by machine when the scheduler names it, else by identity."""
+    for a in entries:
+        if (a.machine == settings.machine) if settings.machine else (a.identity == identity):
+            return a
+    return None
+
+
+def write_avoid_file(path: str, entries: Sequence[Avoided]) -> None:
+    """The scheduler's hint: one machine name a line (none: an empty file), replaced atomically
+    through a temporary file of a unique name beside it (every agent of the job may write it)."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    machines = list(dict.fromkeys(a.machine for a in entries))
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(f"{m}\n" for m in machines))
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _read_text(store: Any, key: str) -> str | None:
+    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if raw == _ABSENT else raw.decode()
 
 
 def _read(store: Any, key: str) -> dict[str, dict[str, Any]]:

@@ -73,6 +73,12 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--no-warm", action="store_true", help="every worker start is cold (same as --warm-workers 0)")
     g.add_argument("--warm-imports", default="",
                    help="comma-separated modules the standbys import ahead beside torch (e.g. the script's models)")
+    g.add_argument("--avoid-file", default=os.environ.get("TIERCKPT_AVOID_FILE") or None,
+                   help="at a full job restart, write the machines the next start should avoid (repeat "
+                        "offenders), one a line, for the scheduler (default $TIERCKPT_AVOID_FILE)")
+    g.add_argument("--avoid-wait", type=float, default=120.0,
+                   help="seconds a relaunched repeat offender leaves the first round's seats to other nodes "
+                        "before it takes a free one (default 120)")
     a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given, or by "
                              "default on several nodes without --durable-url, unless an agent already serves the "
                              "memory root)")
@@ -168,6 +174,7 @@ def _max_nodes(nnodes: str) -> int:
 
 
 def _options(args: Namespace) -> Any:
+    from tierckpt.launcher.avoid import AvoidSettings
     from tierckpt.launcher.escalation import EscalationPolicy
     from tierckpt.launcher.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
@@ -208,6 +215,7 @@ def _options(args: Namespace) -> Any:
         node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=agent,
         agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
         warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes),
+        avoid=AvoidSettings(file=args.avoid_file, wait_s=args.avoid_wait, machine=os.environ.get("TIERCKPT_NODE_NAME", "")),
     )
 
 

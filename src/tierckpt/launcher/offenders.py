@@ -12,8 +12,12 @@ so that every agent computes the same answer from the same history:
   ``window_s`` of the newest one (``restartPolicy.evalPeriodSeconds``, the window HyperPod
   uses for ``numRestartBeforeFullJobRestart``; no window: the whole history);
 - at most ``max_avoid`` (``maxNumRepeatOffendersToAvoid``) offenders are kept out at once, the
-  worst first (most faults, then the most recent, then the identity for a stable order), and
-  never more than there are spares to take their ranks: a job is not shrunk to avoid a node.
+  worst first (most faults, then the most recent, then the identity for a stable order); at a
+  process restart never more than there are spares to take their ranks (a job is not shrunk to
+  avoid a node, ``exclude``); at a **full job restart** the outer scheduler supplies the nodes,
+  so the list is capped by ``max_avoid`` only (``avoid_at_full_restart``): the scheduler is told
+  to place the job elsewhere, and the relaunched offender still takes a seat after a bounded
+  wait when no other node comes (avoid.py, ``AvoidSettings.wait_s``), so the job never shrinks.
 
 Call order (the agent, through ``avoid.RepeatOffenders``, which keeps the attributed faults in
 the job store and agrees on one answer per generation):
@@ -21,6 +25,7 @@ the job store and agrees on one answer per generation):
     policy = OffenderPolicy.from_restart_policy(run_policy.restart_policy)
     keep_out = policy.exclude(attributed_faults, spares=spares_waiting(store))
     ...an agent whose identity is in keep_out waits at the spare gate instead of rejoining
+    avoid = policy.avoid_at_full_restart(attributed_faults)      # at a FULL_RESTART decision
 """
 
 from __future__ import annotations
@@ -97,3 +102,10 @@ class OffenderPolicy:
         if self.max_avoid == 0 or spares <= 0:
             return []
         return self.offenders(faults)[:min(self.max_avoid, spares)]
+
+    def avoid_at_full_restart(self, faults: Sequence[NodeFault]) -> list[str]:
+        """The identities the next start of the job should avoid after a full job restart: the
+        worst offenders, at most ``max_avoid``; no spare cap (the scheduler supplies the nodes)."""
+        if self.max_avoid == 0:
+            return []
+        return self.offenders(faults)[:self.max_avoid]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierckpt.launcher.avoid import AvoidSettings
 from tierckpt.launcher.escalation import EscalationPolicy
 from tierckpt.launcher.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
@@ -40,6 +41,8 @@ class RunOptions:
     warm                                   standby interpreters for warm (re)starts (0: off)
     elastic                                --nnodes MIN:MAX (or the job's elasticPolicy): a lost node
                                            with MIN survivors regroups without a rendezvous round
+    avoid                                  --avoid-file, --avoid-wait, $TIERCKPT_NODE_NAME: repeat
+                                           offenders at full job restarts (avoid.AvoidSettings)
     """
 
     namespace: str | None = None
@@ -58,3 +61,4 @@ class RunOptions:
     agent_across_hosts: bool = False
     rdzv_endpoint: str = ""
     elastic: Elastic | None = None
+    avoid: AvoidSettings = field(default_factory=AvoidSettings)  # repeat offenders at full restarts (avoid.py)

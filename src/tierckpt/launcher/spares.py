@@ -29,7 +29,11 @@ running agents read at each poll (a ``MembershipChange``): after a regroup torch
 did not show the new node to the survivor (seen in ``test_elastic_job_shrinks_...``). A repeat
 offender standing aside (``offender=True``, avoid.py) marks its tickets and passes a seat on to
 the next ticket while a spare that is no offender waits behind it, drawing a new ticket at the
-back. A spare of a finished job leaves once every node called ``finished`` (it may host the store).
+back. A node avoided after a full job restart (``offender=True, hold_s>0``, avoid.py) arriving
+while the first round forms draws no seat ticket for ``hold_s``: the other nodes take the seats;
+if the round forms without it, it goes on at the gate as an offender; if the hold ends first, it
+draws a ticket like any node (``on_hold_over``), so the job never waits below its size for it.
+A spare of a finished job leaves once every node called ``finished`` (it may host the store).
 
 Call order (the agent's ``_join``, around torch's blocking ``next_rendezvous``):
 
@@ -115,7 +119,7 @@ class SpareGate:
                  ready: Callable[[], bool] = lambda: True, ready_timeout_s: float = 60.0,
                  on_warm: Callable[[], None] = lambda: None, poll_s: float = 0.2,
                  seats: FirstSeats | None = None, seat_poll_s: float = 1.0, linger_s: float = 60.0,
-                 offender: bool = False) -> None:
+                 offender: bool = False, hold_s: float = 0.0, on_hold_over: Callable[[], None] = lambda: None) -> None:
         self.store = store
         self.max_nodes = max_nodes
         self.on_standby = on_standby
@@ -128,6 +132,8 @@ class SpareGate:
         self.beat: SeatBeat | None = None  # this agent's first-round seat's beat (seats.py)
         self.linger_s = linger_s  # how long a spare of a finished job waits for its nodes to leave the store
         self.offender = offender  # a repeat offender standing aside: other waiting spares go first
+        self.hold_s = hold_s  # an avoided offender leaves the first round's seats to others this long
+        self.on_hold_over = on_hold_over  # ...and that hold ended before the round formed
         self._since: float | None = None  # when it began standing by
         self._warm = False
 
@@ -136,7 +142,7 @@ class SpareGate:
         st = self.store
         try:
             if self.seats is not None and not st.check([_NODES]) and not st.check([_DONE]) \
-                    and self._first_round(self.seats):
+                    and not self._hold() and self._first_round(self.seats):
                 return self._since  # a seat of the first round: into torch's round
         except JobEnded:
             raise
@@ -185,6 +191,27 @@ class SpareGate:
         """A spare that is no repeat offender holds a ticket not yet admitted (one read a ticket)."""
         drawn = int(self.store.add(_TICKETS, 0))
         return any(not self.store.check([f"{_OFFENDER}{t}"]) for t in range(seats + 1, drawn + 1))
+
+    def _hold(self) -> bool:
+        """An avoided offender before the first round formed: True when the round formed without
+        it within ``hold_s`` (it goes on at the gate); False when the hold ended (or there is none)
+        and it may take a seat. Raises ``JobEnded``."""
+        if not (self.offender and self.hold_s > 0):
+            return False
+        st = self.store
+        self._stand_by(0)
+        deadline = time.monotonic() + self.hold_s
+        while time.monotonic() < deadline:
+            if st.check([_NODES]):
+                return True
+            if st.check([_DONE]):
+                raise self._finished()
+            self._warm_up()
+            time.sleep(self.poll_s)
+        if st.check([_NODES]):
+            return True
+        self.on_hold_over()
+        return False
 
     def _first_round(self, seats: FirstSeats) -> bool:
         """Before the first round formed: True when this agent holds a seat of it (drawn, given back,
