@@ -113,3 +113,41 @@ def test_saves_commit_after_one_rank_is_replaced(tmp_path: Path, shm: Any, victi
         for rank, (got, wire) in enumerate(run_ranks(_load, 2, memory, step)):
             assert got == step
             assert_state_equal(from_wire(wire), small_state(step, rank))
+
+
+def _one_rank_changes(rank: int, memory_dir: str) -> list[int]:
+    import tierckpt
+
+    cfg = tierckpt.CheckpointConfig(namespace=NS, memory_dir=memory_dir, memory_steps_retained=8)
+    with tierckpt.Checkpointer(cfg) as ck:
+        for step in (1, 2, 3):
+            sd = small_state(step, rank)
+            if rank == 1 and step >= 2:  # only rank 1's plan changes at step 2
+                sd["late"] = small_state(step, rank)["model"]["w"] + 1
+            ck.save(step, sd)
+        ck.wait()
+        return [s.step for s in ck.steps()]
+
+
+def _load_changed(rank: int, memory_dir: str, step: int) -> Any:
+    import tierckpt
+
+    sd = zeros_like_state(small_state(step, rank))
+    if rank == 1:
+        sd["late"] = zeros_like_state(small_state(step, rank)["model"]["w"])
+    with tierckpt.Checkpointer(tierckpt.CheckpointConfig(namespace=NS, memory_dir=memory_dir)) as ck:
+        return ck.load(sd, step=step), to_wire(sd)
+
+
+@pytest.mark.timeout(120)
+def test_a_save_where_one_rank_replans_commits(shm: Any) -> None:
+    """Only rank 1's plan changes: every rank takes the new plan, and the step loads bitwise."""
+    memory = shm()
+    assert run_ranks(_one_rank_changes, 2, memory) == [[1, 2, 3], [1, 2, 3]]
+    for step in (2, 3):
+        for rank, (got, wire) in enumerate(run_ranks(_load_changed, 2, memory, step)):
+            want = small_state(step, rank)
+            if rank == 1:
+                want["late"] = want["model"]["w"] + 1
+            assert got == step
+            assert_state_equal(from_wire(wire), want)
