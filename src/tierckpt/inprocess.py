@@ -55,6 +55,7 @@ from typing import Any, Generic, TypeVar
 import torch.distributed as dist
 
 from tierckpt import monitor
+from tierckpt.dcp import plancache
 from tierckpt.errors import InProcessRestartError, RestartRequested
 
 __all__ = ["Generation", "Resilient", "resilient"]
@@ -143,6 +144,8 @@ class Resilient(Generic[T]):
                                             args=(watch_store, gen.index, aborter, monitor_dir))
                 self._fault.clear()
                 self._reason = self._fault_time = None
+                # DCP's plan caches are per process: a survivor's would not match a replacement's
+                plancache.clear_all()
                 watchdog.start()
                 self._armed = True
                 try:

@@ -3,9 +3,9 @@
 Call order (every rank, same order): ``SavePath.save`` waits for the previous save's memory
 commit (one save in flight per rank), copies the state into a shared-memory slot (or, with
 ``overlap``, starts the copy and returns), then hands the snapshot to the committer thread,
-which waits for the copy (``SaveHandle.wait_staged`` returns then), plans (cached),
-checksums and commits the step in memory, makes it visible on other nodes, and queues the
-durable copy. ``fence`` orders the caller after the pending copy (an optimizer's step
+which waits for the copy (``SaveHandle.wait_staged`` returns then), plans (cached for this
+SavePath only, dropped after a failed save: ``dcp.plancache``), checksums and commits the step
+in memory, makes it visible on other nodes, and queues the durable copy. ``fence`` orders the caller after the pending copy (an optimizer's step
 pre-hook calls it). After a save, a reservation thread allocates and faults in the slots
 the next saves will need (``memory_steps_retained + 1`` in all, within the budget), so only
 the first save of a state size pays for allocation. ``wait`` waits for every handle;
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tierckpt import fallback, guard, localmode, metrics, monitor
+from tierckpt.dcp.plancache import CachedSavePlanner
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.drain import DrainQueue
 from tierckpt.errors import NonFiniteLossError
@@ -46,7 +47,8 @@ class SavePath:
         self.drains = drains
         self.log = log
         self.local = local  # the runtime's per-rank config of local mode is not itself in local mode
-        self._planner = DefaultSavePlanner(enable_plan_caching=True)
+        #: plans are cached per Checkpointer: a new one (a new generation, a replaced rank) plans afresh on every rank
+        self._planner = CachedSavePlanner()
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-commit")
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-copy")  # overlapped CPU copies
         self._reserver = ThreadPoolExecutor(1, thread_name_prefix="tierckpt-reserve")
@@ -168,6 +170,7 @@ class SavePath:
         self._copier.shutdown(wait=True)
         self._reserver.shutdown(wait=True)
         self._pending = None
+        self._planner.forget()
 
     def _write_memory(self, writer: TieredStorageWriter, snap: Snapshot) -> None:
         writer._commit_nodes = False  # commit_other_nodes broadcasts on the commit group instead
@@ -182,7 +185,11 @@ class SavePath:
                     dcp_save(snap.state_dict, storage_writer=writer, planner=self._planner,
                              process_group=self.topo.commit_group)
         except CheckpointException as exc:
-            raise (err := guard.typed(exc)) from err.__cause__
+            # DCP reports a failure on every rank: each drops its cached plans, so the next save
+            # plans afresh everywhere (a coordinator that cached before the failure would otherwise
+            # send ranks without an entry an "unchanged" plan)
+            self._planner.forget()
+            raise (err := guard.typed(exc, step=writer.step)) from err.__cause__
 
     def _commit(self, step: int, snap: Snapshot, go_durable: bool, handle: SaveHandle,
                 watch: monitor.SaveWatch) -> None:

@@ -100,7 +100,7 @@ def test_readme_training_loop_then_load_latest_and_a_specific_step(
         reader = SageMakerTieredStorageReader(checkpoint_config=checkpoint_config)
         load(state_dict, storage_reader=reader)
         assert_state(state_dict, 40)
-        assert set(reader.tiers_used.values()) == {"durable"}
+        assert set(reader.tiers_used.values()) == {"s3 (SageMaker layout)"}  # the drop-in's default layout
         reader = SageMakerTieredStorageReader(checkpoint_config=checkpoint_config, step=30)
         with pytest.raises(CheckpointException):  # not in S3 nor in the new node's memory
             load(blank(), storage_reader=reader)
@@ -210,9 +210,8 @@ def test_invalid_step_has_the_seed_message(path: str, step: int) -> None:
         SageMakerTieredStorageWriter(cfg(), path=path, step=step)
 
 
-@pytest.mark.parametrize("path", ["", "no/step/here"])
-def test_no_step_yet_waits_for_checkpoint_id(path: str) -> None:
-    writer = SageMakerTieredStorageWriter(cfg(), path=path)  # the seed's docs: the step comes with dcp.save
+def test_no_path_and_no_step_waits_for_checkpoint_id() -> None:
+    writer = SageMakerTieredStorageWriter(cfg())  # the seed's docs: the step comes with dcp.save
     with pytest.raises(SageMakerTieredStorageError, match=r"^Invalid step value, step:-1\. path:"):
         _ = writer.step
     writer.reset("ckpts/step_12")
@@ -233,8 +232,11 @@ def test_errors_share_tierckpts_root() -> None:
 def test_save_to_s3_is_read_when_the_writer_is_built(memory_dir: str) -> None:
     config = cfg(world_size=1, s3_tier_base_path="s3://bucket/x", save_to_s3=True, memory_dir=memory_dir)
     writer = SageMakerTieredStorageWriter(config, step=1)
-    config.save_to_s3 = False  # the README flips it for the next step while this save runs
-    assert writer.durable and writer.save_to_s3
+    config.s3_layout = "tierckpt"
+    ours = SageMakerTieredStorageWriter(config, step=1)
+    config.save_to_s3 = False  # the README flips it for the next step while these saves run
+    assert writer.save_to_s3 and writer.sagemaker_layout and not writer.durable  # S3 through the library's layout
+    assert ours.save_to_s3 and ours.durable  # S3 through tierckpt's durable tier
 
 
 # -- the S3 path strategies ------------------------------------------------------------------

@@ -12,14 +12,12 @@ Code written for ``amzn_sagemaker_checkpointing`` runs after changing its import
     dcp.load(state_dict, storage_reader=SageMakerTieredStorageReader(config))   # newest step
 
 Mapping: the memory tier is node-local shared memory (``memory_dir``) instead of the HyperPod
-memory service; the S3 tier is tierckpt's durable tier at ``<s3_tier_base_path>/<namespace>/
-step_<N>/`` (plain DCP per step, every rank's files together: the directory the library's
-``RayS3PathStrategy`` names, whichever strategy is configured). Checkpoints the SageMaker
-library itself wrote (its layouts, see ``sagemaker_paths``) load through the reader when the
-namespace has no tierckpt step (or the asked-for step is only there), and ``tierckpt import``
-converts them. ``s3_layout="sagemaker"`` makes the writer put its S3 copy in the SageMaker
-library's own format and layout instead (``sagemaker_write``), so the library reads it back and a
-team can run both side by side or go back. ``save_to_s3`` is read once, when a writer is built,
+memory service. The S3 copy is, by default (``s3_layout="sagemaker"``), the SageMaker library's
+own format in its strategy's layout, ``{base}/{namespace}/rank_{R}/step_{N}/`` (``sagemaker_write``),
+so the library and existing tools read it back; ``s3_layout="tierckpt"`` makes it tierckpt's
+durable tier at ``<base>/<namespace>/step_<N>/`` instead (plain DCP per step, the default before
+issue 24). The reader loads both: an asked-for step from whichever layout holds it, else the
+newest of either; ``tierckpt import`` converts the library's steps. ``save_to_s3`` is read once, when a writer is built,
 so changing it for the next step cannot affect a save still in flight. The seed's validation messages are
 kept; its errors derive from ``tierckpt.TierckptError`` as well.
 """
@@ -35,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tierckpt import metrics
+from tierckpt import fallback, metrics
 from tierckpt.compat.legacy import CHECKPOINT_FILE, METADATA_FILE, LegacySource, SageMakerStorageInfo
 from tierckpt.compat.sagemaker_config import (
     SageMakerCheckpointConfig,
@@ -59,6 +57,7 @@ from tierckpt.errors import (
     StorageError,
     TierckptError,
 )
+from tierckpt.observability import StepLogger
 
 __all__ = [
     "DefaultS3PathStrategy",
@@ -86,11 +85,12 @@ class _BothInfo:
 
 
 class SageMakerTieredStorageWriter(TieredStorageWriter):
-    """``SageMakerTieredStorageWriter(checkpoint_config, path="", step=-1)``: one step's save.
+    """``SageMakerTieredStorageWriter(checkpoint_config, path=None, step=-1)``: one step's save.
 
-    The step: ``step`` when given, else ``step_<N>`` in ``path``, else in the ``checkpoint_id``
-    given to ``dcp.save`` (as in the seed's docs); a save with none of them fails with the
-    seed's "Invalid step value". ``config=`` is accepted for ``checkpoint_config=``.
+    The step: ``step`` when given, else ``step_<N>`` in ``path`` (a path without one raises the
+    seed's "Invalid step value" here, as the seed does), else, when there is no path, the
+    ``checkpoint_id`` given to ``dcp.save`` (the seed's docs' "basic writer"); a save with none of
+    them fails with the same error. ``config=`` is accepted for ``checkpoint_config=``.
     Every save goes to the memory tier; it also goes to S3 when ``checkpoint_config.save_to_s3``
     is set at construction, in the layout ``checkpoint_config.s3_layout`` names.
 
@@ -101,12 +101,13 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
     """
 
     def __init__(
-        self, checkpoint_config: SageMakerCheckpointConfig | None = None, path: Any = "", step: int = -1,
+        self, checkpoint_config: SageMakerCheckpointConfig | None = None, path: Any = None, step: int = -1,
         *, config: SageMakerCheckpointConfig | None = None,
     ) -> None:
         checkpoint_config = one_config(checkpoint_config, config)
-        # the seed checks the step before the config; with no step yet, dcp.save's checkpoint_id gives it
-        resolved = None if step == -1 and "step_" not in str(path) else parse_step(path, step)
+        # the seed checks the step before the config, and a path without one raises here as in the
+        # seed; only with no path at all does the step wait for dcp.save's checkpoint_id
+        resolved = None if step == -1 and path is None else parse_step(path, step)
         self.sagemaker_layout = checkpoint_config.s3_layout == "sagemaker"
         self.save_to_s3 = bool(checkpoint_config.save_to_s3)
         super().__init__(to_tierckpt(checkpoint_config), step=resolved,
@@ -120,10 +121,15 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
     def step(self) -> int:
         if self._step is None:
             raise SageMakerTieredStorageError(
-                f"Invalid step value, step:-1. path:{self.path}; pass step=N to the writer, a path with "
+                f"Invalid step value, step:-1. path:{'' if self.path is None else self.path}; pass step=N to the writer, a path with "
                 "'step_N', or checkpoint_id='step_N' to dcp.save"
             )
         return self._step
+
+    @staticmethod
+    def _get_step_val(step: int, path: Any) -> int:
+        """The seed's step rule under the seed's private name (its own tests call it): ``parse_step``."""
+        return parse_step(path, step)
 
     @property
     def s3_checkpoint_dir(self) -> str | None:
@@ -164,18 +170,32 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         fut = super().write_data(plan, planner)  # completed: the memory write is synchronous
         if not (self.sagemaker_layout and self.save_to_s3):
             return fut
+        ours: list[WriteResult] | None
         try:
             ours = fut.value()
-        except Exception:  # the memory write failed: DCP reports it from the future as is
-            return fut
+        except Exception as exc:
+            cause = fallback.memory_failure(exc)
+            if cause is None:  # not the memory tier: DCP reports it from the future as is
+                return fut
+            # the memory tier failed and the step goes to S3: S3 alone, as the seed does
+            StepLogger("writer", self.rank, self.config.logger).warning(
+                self._step, "the memory tier failed (%s: %s); this step is saved to S3 only", cause, exc)
+            if self.save_id is not None:
+                self.runtime.memory.abort(self.step, self.save_id)
+            ours = None
         out: Future[list[WriteResult]] = Future()
         try:
             from tierckpt.compat.sagemaker_write import encode_items
 
             blob, infos = encode_items(list(plan.items), planner, self.rank)
             self._s3_sink().put(self.rank, self.step, CHECKPOINT_FILE, blob)
-            out.set_result([replace(wr, storage_data=_BothInfo(wr.storage_data, info))
-                            for wr, info in zip(ours, infos, strict=True)])
+            if ours is None:
+                out.set_result([WriteResult(index=item.index, size_in_bytes=info.length,
+                                            storage_data=_BothInfo(None, info))
+                                for item, info in zip(plan.items, infos, strict=True)])
+            else:
+                out.set_result([replace(wr, storage_data=_BothInfo(wr.storage_data, info))
+                                for wr, info in zip(ours, infos, strict=True)])
         except (TierckptError, TypeError) as exc:
             out.set_exception(cast(Any, SageMakerS3TierError(
                 f"[Rank {self.rank}] Step {self._step}: S3 write failed (memory copy written): {exc}")))
@@ -186,8 +206,11 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
             super().finish(metadata, results)
             return
         theirs = {wr.index: wr.storage_data.sagemaker for rank_results in results for wr in rank_results}
-        super().finish(metadata, [[replace(wr, storage_data=wr.storage_data.tierckpt) for wr in rank_results]
-                                  for rank_results in results])
+        if all(wr.storage_data.tierckpt is not None for rank_results in results for wr in rank_results):
+            super().finish(metadata, [[replace(wr, storage_data=wr.storage_data.tierckpt) for wr in rank_results]
+                                      for rank_results in results])
+        elif self.save_id is not None:  # a rank's memory tier failed: no memory commit, S3 alone
+            self.runtime.memory.abort(self.step, self.save_id)
         from tierckpt.compat.sagemaker_write import dumps_metadata
 
         try:
@@ -235,11 +258,19 @@ class SageMakerTieredStorageReader(TieredStorageReader):
 
     def read_metadata(self) -> Metadata:
         try:
-            return super().read_metadata()
+            metadata = super().read_metadata()
         except CheckpointNotFoundError:
             found = self._find_legacy()
             if found is None:
                 raise
+        else:
+            if self.requested is not None:
+                return metadata
+            # the newest step across both S3 layouts: a namespace written in tierckpt's layout
+            # before the default became the library's holds older steps in one, newer in the other
+            found = self._find_legacy()
+            if found is None or self.step is None or found[1] <= self.step:
+                return metadata
         self._legacy, self.step, self.failure = found, found[1], None
         self._log.info(found[1], "Metadata read from a SageMaker checkpointing step on S3 (%s)",
                        found[0].strategy.get_s3_uri(self.config.namespace, 0, found[1], "metadata.metadata"))

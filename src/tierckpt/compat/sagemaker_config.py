@@ -65,14 +65,14 @@ class SageMakerCheckpointConfig:
     ``disk_tier_base_path`` and ``save_to_disk`` are accepted and unused, as in the seed.
     ``s3_path_strategy``: a ``DefaultS3PathStrategy`` / ``RayS3PathStrategy`` (from this module or
     the seed's), or any object with a ``base_path``; without one, ``s3_tier_base_path`` picks
-    Ray's inside Ray Train, else the default, as the seed does. By default tierckpt writes its
-    own ``<base>/<namespace>/step_<N>/`` layout with either, and the strategy says where to find
-    checkpoints the seed wrote; with ``s3_layout="sagemaker"`` it writes the strategy's layout.
+    Ray's inside Ray Train, else the default, as the seed does. By default (``s3_layout=
+    "sagemaker"``) the writer puts the strategy's layout on S3, as the seed; with
+    ``s3_layout="tierckpt"`` it writes tierckpt's own ``<base>/<namespace>/step_<N>/`` layout.
     ``memory_dir``: the node-local memory tier; ``s3``: endpoint, credentials, part size and
     retry overrides (None fields come from the standard AWS variables). ``s3_layout``: what the
-    writer puts on S3, ``"tierckpt"`` (its own layout, plain DCP per step) or ``"sagemaker"``
-    (the library's ``checkpoint.pt`` + ``metadata.metadata`` in the strategy's layout, readable
-    by ``amzn-sagemaker-checkpointing``); the reader reads both either way.
+    writer puts on S3, ``"sagemaker"`` (the default: the library's ``checkpoint.pt`` +
+    ``metadata.metadata`` in the strategy's layout, readable by ``amzn-sagemaker-checkpointing``)
+    or ``"tierckpt"`` (its own layout, plain DCP per step); the reader reads both either way.
     """
 
     namespace: str
@@ -85,7 +85,7 @@ class SageMakerCheckpointConfig:
     logger: logging.Logger | None = None
     memory_dir: str = DEFAULT_MEMORY_DIR
     s3: S3Settings | None = None
-    s3_layout: str = "tierckpt"
+    s3_layout: str = "sagemaker"
 
     def __post_init__(self) -> None:
         if self.s3_layout not in S3_LAYOUTS:

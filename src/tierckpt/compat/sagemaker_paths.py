@@ -7,11 +7,10 @@ metadata beside rank 0's, in one of two layouts:
                             {base}/{namespace}/rank_0/step_{N}/metadata.metadata
     RayS3PathStrategy       {base}/{namespace}/step_{N}/rank_{R}/checkpoint.pt   (inside Ray Train)
 
-tierckpt writes its own layout (``{base}/{namespace}/step_{N}/``, plain DCP, every rank's
-files together), which is the Ray strategy's checkpoint directory; the strategies here are
-used to name that directory (``s3_checkpoint_dir``), to find and read checkpoints the
-SageMaker library wrote (``tierckpt.compat.legacy``) and, with ``s3_layout="sagemaker"``, to
-write them (``tierckpt.compat.sagemaker_write``). Same names, signatures and errors as the
+The drop-in writes these layouts by default (``s3_layout="sagemaker"``,
+``tierckpt.compat.sagemaker_write``); the strategies also name a step's directory
+(``s3_checkpoint_dir``) and find and read the library's checkpoints (``tierckpt.compat.legacy``).
+With ``s3_layout="tierckpt"`` it writes tierckpt's own ``{base}/{namespace}/step_{N}/`` instead. Same names, signatures and errors as the
 library's ``amzn_sagemaker_checkpointing.config.s3_path_strategy``.
 """
 
