@@ -161,6 +161,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _init_optim_state(optim: Any) -> None:
+    """Create the optimizer's state (AdamW: step, moments) with one step of lr 0 on zero gradients.
+
+    ``Checkpointer.load`` restores in place, into the tensors the state dict holds: a fresh
+    optimizer has none, so a resumed AdamW would silently start its moments over (the load warns
+    about the unloaded keys). The same on every start, with or without a checkpoint."""
+    import torch
+
+    if optim.state:
+        return
+    params = [p for g in optim.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optim.param_groups]
+    for g in optim.param_groups:
+        g["lr"] = 0.0
+    optim.step()
+    for g, lr in zip(optim.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    optim.zero_grad(set_to_none=True)
+
+
 def _take(inject_dir: str | None, rank: int) -> bool:
     """The driver asked this rank for a NaN (``--inject-dir``): consume the request, once."""
     if not inject_dir:
@@ -198,6 +220,7 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                                              durable_every_n_steps=args.durable_every,
                                              local_mode=not args.global_mode)
     with tierckpt.Checkpointer(cfg) as ck:
+        _init_optim_state(optim)  # a load fills tensors in place: AdamW's moments must exist to be restored
         state: dict[str, Any] = {"model": model.state_dict(), "optim": optim.state_dict(), "step": 0}
         t0 = time.time()
         resumed = ck.load(state)
