@@ -89,7 +89,8 @@ def build_parser() -> ArgumentParser:
                    "memory tier held")
     a.add_argument("--peers", help="the other nodes' agents, host:port,host:port")
     a.add_argument("--agent-listen", default=None, help="HOST:PORT the hosted agent listens on for peers "
-                   "(default 127.0.0.1:0; anything but loopback needs a secret)")
+                   "(default 127.0.0.1:0 on one host; with --rdzv-endpoint on another host, every interface with "
+                   "the job's secret, or one generated per job; anything but loopback needs a secret)")
     a.add_argument("--memory-budget", help="node-wide memory tier budget: 40%% of RAM (20-100%%) or bytes (64G)")
     a.add_argument("--agent-secret-file", help="the job's secret for peer connections (else $TIERCKPT_AGENT_SECRET)")
     return p
