@@ -119,7 +119,6 @@ def shm() -> Iterator[Any]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tuple[dict[int, Any], float]]]:
     """Final state and wall time of a fault-free run, per number of steps (on first use)."""
     made: list[str] = []
-    cache: dict[int, tuple[dict[int, Any], float]] = {}
 
     def shm(tag: str = "node") -> str:
         made.append(tempfile.mkdtemp(prefix=f"tierckpt-soakref-{tag}-", dir="/dev/shm"))
@@ -132,10 +131,10 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tu
                 t0 = time.monotonic()
                 job.start()
                 assert job.wait_exit(300) == {0: 0, 1: 0}, job.report()
-                cache[steps] = (_final(job), time.monotonic() - t0)
+                self[steps] = (_final(job), time.monotonic() - t0)
             finally:
                 job.close()
-            return cache[steps]
+            return self[steps]
 
     yield Lazy()
     for path in made:
