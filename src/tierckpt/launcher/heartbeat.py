@@ -71,6 +71,7 @@ class BeatTracker:
         self.section: tuple[str, float | None] | None = None  # (name, timeout_s) from the newest record
         self._waited_for_peer = False  # this interval's idleness was excused by a busy rank elsewhere
         self.step: int | None = None
+        self.first_step: int | None = None  # the first step seen this generation (its progress starts here)
         self.loss: float | None = None
         self.non_finite = False
 
@@ -118,6 +119,8 @@ class BeatTracker:
         self.last_change = now
         if beat.step is not None:
             self.step = beat.step
+            if self.first_step is None:
+                self.first_step = beat.step
         self.loss = beat.loss
         self.non_finite = self.non_finite or beat.non_finite
         return True
