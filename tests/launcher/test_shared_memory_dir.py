@@ -75,3 +75,32 @@ def test_two_agents_sharing_a_memory_dir_restart_and_finish(make_job: Callable[.
         assert job.last_step(r, generation=KILLS) == 12 * KILLS + 12, job.report()
     leftovers = [p for p in os.listdir(os.path.join(job.memory[0], state.STATE_DIR)) if ".tmp" in p]
     assert leftovers == [], leftovers
+
+
+def test_an_error_in_the_launcher_loop_ends_with_an_exit_event_not_a_traceback(
+        make_job: Callable[..., LocalJob]) -> None:
+    """The restart-state file cannot be written at the first restart (its directory became a
+    file): the agent stops its workers and exits 70 with an ``exit`` event and one line on stderr."""
+    job = make_job(nnodes=1, train=["--steps", "400"])
+    job.start()
+    job.wait_for(lambda: job.last_step(0) >= 5, 120, "rank 0 reaches step 5")
+    state_dir = os.path.join(job.memory[0], state.STATE_DIR)
+    for name in os.listdir(state_dir):
+        os.unlink(os.path.join(state_dir, name))
+    os.rmdir(state_dir)
+    with open(state_dir, "w") as f:
+        f.write("not a directory")
+    worker = job.worker_pid(0)
+    os.kill(worker, signal.SIGKILL)
+    assert job.wait_exit(60) == {0: 70}, job.report()
+    ev = job.events(0)
+    assert ev[-1]["event"] == "exit" and ev[-1]["code"] == 70, ev[-1]
+    why = ev[-1]["why"]
+    assert why.startswith("launcher error: ") and "(at tierckpt/" in why and "\n" not in why, why
+    log = _agent_lines(job.log(0))
+    assert "Traceback" not in log, log
+    assert f"tierckpt run: error: {why[len('launcher error: '):]} (exit 70)" in log, log
+    started = [e for e in ev if e["event"] == "started"][0]
+    from tests.launcher.cluster import alive
+
+    assert not any(alive(pid) for pid in started["pids"])  # its workers were stopped
