@@ -12,12 +12,19 @@
     <memory root>/.agent.sock                              the node agent's local socket (if one runs)
     <memory root>/.replicas/<node id>/<namespace>/step_<N>/  replicas of another node's files (agent)
     <memory root>/.peer/<namespace>/step_<N>/              files fetched from peers for a load (agent)
+
+A small file replaced in place (the launcher's restart state, an address file, a pointer) is
+written under ``temp_name`` beside it and renamed over it (``write_atomic``): the name is unique
+to the writer (process, thread, call), so processes that share a directory, e.g. two agents on
+one memory root, never rename each other's half-written file.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +44,9 @@ __all__ = [
     "parse_step_dir",
     "step_dir_name",
     "step_from_path",
+    "temp_name",
     "validate_step",
+    "write_atomic",
 ]
 
 FORMAT_VERSION = 1
@@ -183,3 +192,28 @@ def check_marker(marker_raw: bytes, manifest_raw: bytes, *, where: str) -> str:
     if checksum(manifest_raw) != expected:
         raise IntegrityError(f"{where}: manifest does not match its commit marker")
     return save_id
+
+
+def temp_name(name: str) -> str:
+    """A hidden name for a file being written to replace ``name`` in the same directory, unique
+    to this process, thread and call (``.<name>.tmp-<pid>-<thread>-<random>``)."""
+    return f".{name}.tmp-{os.getpid()}-{threading.get_ident():x}-{os.urandom(4).hex()}"
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
+    """Replace the file ``path`` with ``data`` in one rename: a reader sees the old or the new
+    content, never a part; concurrent writers each rename their own ``temp_name`` (the last one
+    wins). The temporary file is removed when the write or the rename fails."""
+    final = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(final), temp_name(os.path.basename(final)))
+    raw = data.encode() if isinstance(data, str) else data
+    try:
+        with open(tmp, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise

@@ -9,8 +9,9 @@
         evaluate()
 
 Call order: ``step()`` from the training loop of every rank, once per step (``beat()`` marks
-progress without a new step; ``Checkpointer.save`` calls it; ``section()`` around a long
-stretch, nested sections allowed: the innermost one is reported). Under ``tierckpt run`` each
+progress without a new step; ``Checkpointer.save`` calls it; ``saved()`` marks a save written
+by the DCP writer, which every save path goes through; ``section()`` around a long stretch,
+nested sections allowed: the innermost one is reported). Under ``tierckpt run`` each
 local rank writes one small record into a file of the launcher's (``TIERCKPT_MONITOR_DIR``,
 ``LOCAL_RANK``); the launcher polls it every monitor interval. Writing costs one ``pwrite`` of
 44 bytes (88 inside a section) and never blocks on the launcher. Without the launcher every call is a no-op
@@ -35,13 +36,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "section", "set_non_finite_hook", "step", "watch_save"]
+__all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "saved", "section", "set_non_finite_hook",
+           "step", "watch_save"]
 
 NON_FINITE_LOSS = "NonFiniteLoss"
 # seq, step, wall time, loss, flags (bit 0: loss is non-finite), crc32 of the rest
 _FMT = struct.Struct("<QqddQ")
 _REC = struct.Struct("<QqddQI")
 _FLAG_NON_FINITE = 1
+# bit 2: this record was written by a save (``saved()``), not by the training loop
+_FLAG_SAVED = 4
 # the section extension, present when flags bit 1 is set: timeout_s (0: none), the name (UTF-8,
 # NUL-padded), crc32 of the record's seq and the rest; a reader of the 44-byte record ignores it
 _FLAG_SECTION = 2
@@ -63,6 +67,7 @@ class Beat:
     non_finite: bool
     section: str | None = None  # inside monitor.section(name, ...)
     section_timeout_s: float | None = None
+    saved: bool = False  # written by ``saved()`` (a save), not by the training loop
 
 
 class _Writer:
@@ -75,7 +80,7 @@ class _Writer:
         self._sections: list[tuple[str, float | None]] = []
         self._lock = threading.Lock()
 
-    def write(self, step: int | None, loss: float | None) -> None:
+    def write(self, step: int | None, loss: float | None, *, saved: bool = False) -> None:
         with self._lock:
             self._seq += 1
             if step is not None:
@@ -84,7 +89,7 @@ class _Writer:
                 self._loss = float(loss)
                 if not math.isfinite(self._loss):
                     self._flags |= _FLAG_NON_FINITE
-            flags = self._flags | (_FLAG_SECTION if self._sections else 0)
+            flags = self._flags | (_FLAG_SECTION if self._sections else 0) | (_FLAG_SAVED if saved else 0)
             body = _FMT.pack(self._seq, self._step, time.time(), self._loss, flags)
             rec = body + struct.pack("<I", zlib.crc32(body))
             if self._sections:
@@ -212,6 +217,18 @@ def beat() -> None:
         writer.write(None, None)
 
 
+def saved() -> None:
+    """This rank wrote its part of a save (called by the DCP writer, so every save path beats).
+
+    Under ``tierckpt run`` it is progress: it meets ``startupDeadlineSeconds`` and counts as a
+    generation's first beat, for a loop that never calls ``step()`` too; after a ``step()`` beat
+    it resets the hang timer like ``beat()``. A rank that only saves is never called hung (its
+    saves may be far apart), as a script that never beats is not."""
+    writer = _get_writer()
+    if writer is not None:
+        writer.write(None, None, saved=True)
+
+
 @contextmanager
 def section(name: str, timeout_s: float | None = None) -> Iterator[None]:
     """A known long stretch without steps (an evaluation pass, a synchronous save, a compile).
@@ -266,4 +283,5 @@ def read_beat(path: str) -> Beat | None:
         non_finite=bool(flags & _FLAG_NON_FINITE),
         section=name,
         section_timeout_s=timeout_s,
+        saved=bool(flags & _FLAG_SAVED),
     )

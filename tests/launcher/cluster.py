@@ -136,6 +136,8 @@ class LocalJob:
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         self.rdzv_id = f"job{self.port}"
         self.per_node_args: dict[int, list[str]] = {}
+        #: the workers' module (``python -m``), given ``--workdir`` and ``train``
+        self.module = "tierckpt.demo.resilient"
 
     def command(self, node: int) -> list[str]:
         cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes_arg}", "--nproc-per-node=1",
@@ -148,7 +150,7 @@ class LocalJob:
             cmd.append(f"--job={self.job_file}")
         if self.durable is not None:
             cmd.append(f"--durable-url={self.durable}")
-        return [*cmd, "-m", "tierckpt.demo.resilient", "--workdir", str(self.work), *self.train]
+        return [*cmd, "-m", self.module, "--workdir", str(self.work), *self.train]
 
     def events_path(self, node: int) -> Path:
         return self.tmp / f"events{node}.jsonl"

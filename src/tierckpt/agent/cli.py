@@ -99,7 +99,7 @@ def _serve(cfg: AgentConfig, address_file: str | None) -> int:
         metrics = serve(handle._agent.metrics.registry, cfg.metrics_port)
     host, port = handle.address
     if address_file:
-        tmp = f"{address_file}.tmp"
+        tmp = f"{address_file}.tmp-{os.getpid()}-{os.urandom(4).hex()}"  # unique per writer
         with open(tmp, "w") as f:
             f.write(f"{host}:{port}\n")
         os.replace(tmp, address_file)

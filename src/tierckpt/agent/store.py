@@ -142,7 +142,7 @@ class NodeStore:
 
     def set_owner(self, origin: str, ns: str, step: int, token: str) -> None:
         with safefs.open_dir(self.root, [*self.parts("replica", origin, ns), OWNERS], create=True) as dfd:
-            tmp = f".{layout.step_dir_name(step)}.tmp"
+            tmp = layout.temp_name(layout.step_dir_name(step))
             fd = safefs.open_file(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             try:
                 os.write(fd, owner_hash(token).encode())

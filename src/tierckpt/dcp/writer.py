@@ -285,6 +285,9 @@ class TieredStorageWriter(StorageWriter):
 
                     results = fallback.write_instead(self, exc, plan, planner, pd, log)
                 self._check_gate(abort=pd.save_id)  # every rank's last word before the coordinator commits
+                from tierckpt import monitor  # every save path writes here: a save is progress (tierckpt run)
+
+                monitor.saved()
                 return results
             finally:
                 rt.in_flight.discard(pd.save_id)

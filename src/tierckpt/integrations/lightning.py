@@ -143,9 +143,7 @@ class TierckptCheckpointIO(_Base):
         body = {_POINTER: 1, "namespace": self.config.namespace, "step_when_written": step,
                 "loads": "the newest committed step (tierckpt.integrations.lightning)"}
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(body) + "\n")
-        tmp.replace(path)
+        layout.write_atomic(path, json.dumps(body) + "\n")
 
     @staticmethod
     def _is_pointer(path: Path) -> bool:

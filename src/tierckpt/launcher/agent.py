@@ -24,6 +24,7 @@ Call order (one agent per node, all the same code):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -38,6 +39,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, W
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
@@ -47,7 +49,7 @@ from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
-from tierckpt.launcher.events import Events
+from tierckpt.launcher.events import Events, describe_error
 from tierckpt.launcher.hang import Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
@@ -60,7 +62,7 @@ from tierckpt.launcher.membership import (
     restart_history,
 )
 from tierckpt.launcher.offenders import OffenderPolicy
-from tierckpt.launcher.options import FULL_RESTART_EXIT, RunOptions
+from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
@@ -89,6 +91,8 @@ if TYPE_CHECKING:
 
 __all__ = ["TierckptAgent"]
 
+log = logging.getLogger("tierckpt.run")
+
 _BEAT_PREFIX = "tierckpt-beats-"  # <tmpfs>/tierckpt-beats-<agent pid>-<random>/beat_<local rank>
 
 class TierckptAgent(MembershipPath, LocalElasticAgent):
@@ -103,6 +107,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.generation = 0
         self.full_restarts = 0
         self.exit_code = 0
+        self.failure: str | None = None  # the one-line reason of a LAUNCHER_ERROR_EXIT (cli.py prints it)
         self.resumed_step: int | None = None
         self._gen_started = time.time()
         self._ctl: JobControl | None = None
@@ -141,6 +146,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
         self._changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
         self._changes = 0  # ... and of this one, as of the last decision
+        self._unhealthy_before = 0  # the backoff streak this incarnation began with (escalation.py; state file)
         self._arrivals_seen = 0  # spares.arrivals when this round settled
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._polled_at = time.monotonic()  # the poll before the current one
@@ -159,12 +165,17 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         return restart_state.load(self.opts, self._worker_group.spec.rdzv_handler.get_run_id())
 
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
-        restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
-                           {"next_generation": next_generation, "full_restarts": full_restarts,
-                            "job_started": self._job_started, "hang": self._learn().to_dict(),
-                            "restarts": self._restarts, "resume_before": self.resume_before,
-                            "membership_changes": self._changes_before + self._changes,
-                            "offenses": self._avoid.remembered, "avoid": self._avoid_next})
+        streak = self.opts.escalation.unhealthy_streak(self._history, self._unhealthy_before) \
+            if full_restarts > self.full_restarts else self._unhealthy_before  # the next incarnation's
+        problem = restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
+                                     {"next_generation": next_generation, "full_restarts": full_restarts,
+                                      "job_started": self._job_started, "hang": self._learn().to_dict(),
+                                      "restarts": self._restarts, "resume_before": self.resume_before,
+                                      "membership_changes": self._changes_before + self._changes,
+                                      "offenses": self._avoid.remembered, "avoid": self._avoid_next,
+                                      "unhealthy_before": streak})
+        if problem is not None:
+            self.events.emit("warning", generation=self.generation, what=problem)
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
@@ -216,6 +227,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
         self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
+        self._unhealthy_before = self.ctl.agree_max("unhealthy_before", int(st.get("unhealthy_before", 0)))
         self._avoid.remember(job_store, st.get("offenses"))
         self._avoid_after_round(job_store, st)  # the last full restart's avoid list; this node's machine
         self.resume_before = resume.agreed(job_store, self.generation)
@@ -471,6 +483,14 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         steps = [t.step for t in self._trackers.values() if t.step is not None]
         return max(steps) if steps else None
 
+    def _resumed_step(self) -> int | None:
+        """The step this generation resumed from: the one before the first step any local rank beat
+        (escalation.py counts a generation's progress from it)."""
+        if self.resumed_step is not None:
+            return self.resumed_step
+        first = [t.first_step for t in self._trackers.values() if t.first_step is not None]
+        return min(first) - 1 if first else None
+
     def _nan_step(self) -> int | None:
         """The lowest step at which a local rank beat a non-finite loss this generation, if any."""
         return min((t.step for t in self._trackers.values() if t.non_finite and t.step is not None), default=None)
@@ -487,7 +507,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             # at that step is no progress, however far the worker ran before the poll); the next
             # generations resume below it
             "step": nan_step if nan_step is not None else self._progress(),
-            "resumed_step": self.resumed_step,
+            "resumed_step": self._resumed_step(),
             "resume_before": nan_step,
             # from the last sign of life (a crash: the SIGCHLD wake-up) to now
             "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),
@@ -514,6 +534,11 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self.exit_code = 128 + int(exc.sigval)
             self.events.emit("exit", generation=self.generation, code=self.exit_code)
             raise
+        except RendezvousGracefulExitError:
+            raise  # torch's run() ends quietly on it
+        except Exception as exc:  # no traceback: the workers stop, an exit event says why (docs/launcher.md)
+            self._failed(exc)
+            return RunResult(state=WorkerState.FAILED)
         finally:
             if self._liveness is not None:
                 self._liveness.close()
@@ -521,6 +546,19 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self._claims.close()
             self._waker.close()
             shutil.rmtree(self._beat_dir, ignore_errors=True)
+
+    def _failed(self, exc: Exception) -> None:
+        """The loop raised what nothing handles: stop the workers, persist, exit LAUNCHER_ERROR_EXIT."""
+        self.failure = describe_error(exc)
+        log.debug("tierckpt run: the launcher loop failed", exc_info=exc)
+        try:
+            self._stop_now()
+        except Exception as stop_exc:  # the exit goes on; the failure is reported
+            self.events.emit("warning", generation=self.generation, what=f"stopping the workers failed: {stop_exc}")
+        self._persist(barrier=False)
+        self.exit_code = LAUNCHER_ERROR_EXIT
+        self.events.emit("exit", generation=self.generation, code=self.exit_code, why=f"launcher error: {self.failure}")
+        self._worker_group.state = WorkerState.FAILED
 
     def _host_agent(self) -> None:
         cfg = self.opts.agent
@@ -742,7 +780,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         no restart); the same on every node: same history, same seed."""
         return self.opts.escalation.decide(
             restart_history(claims), full_restarts=self.full_restarts,
-            prior_restarts=prior_restarts(claims, self._changes_before),
+            prior_restarts=prior_restarts(claims, self._changes_before), unhealthy_before=self._unhealthy_before,
             seed=zlib.crc32(f"{self._worker_group.spec.rdzv_handler.get_run_id()}:{g}".encode()))
 
     def _count(self, claims: list[Fault]) -> None:

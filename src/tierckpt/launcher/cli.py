@@ -5,8 +5,10 @@
 
 Every torchrun argument means what it means to torchrun. Exit codes: 0 the workers finished;
 1 the job failed (restarts exhausted, CrashLoop, NoProgress, bad job file: 2); 75
-(``FULL_RESTART_EXIT``) the job needs a full restart by the outer scheduler; 128 + N after
-signal N (the newest memory step was persisted first).
+(``FULL_RESTART_EXIT``) the job needs a full restart by the outer scheduler; 70
+(``LAUNCHER_ERROR_EXIT``) the launcher itself failed (one line on stderr and in the ``exit``
+event names the error; no traceback); 128 + N after signal N (the newest memory step was
+persisted first).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def build_parser() -> ArgumentParser:
     p.description = ("A torchrun drop-in that detects crashes, hangs, non-finite losses, log-rule faults and lost "
                      "nodes, restarts every worker in place with a new job-wide generation, and escalates per the "
                      "HyperPod runPolicy. Exit codes: 0 done, 1 failed, 2 bad arguments or job file, "
-                     "75 full job restart needed, 128+N signal N.")
+                     "70 launcher error, 75 full job restart needed, 128+N signal N.")
     for action in p._actions:  # torchrun's own option, with tierckpt's default (None: not given)
         if action.dest == "max_restarts":
             action.default = None
@@ -64,6 +66,10 @@ def build_parser() -> ArgumentParser:
                    help="seconds a rank may compute without a heartbeat (default: 10 x the longest interval "
                    "seen, at least 300 s)")
     g.add_argument("--node-timeout", type=float, default=10.0, help="an agent silent this long is a lost node")
+    g.add_argument("--healthy-after-steps", type=int, default=None,
+                   help="steps past its resumed step after which a generation counts as healthy: a fault after "
+                   "that restarts at once and resets the backoff, as does a generation that ran 120 s (default "
+                   "10; 0: only the 120 s count). Crash loops (no first beat, or fewer steps) still back off")
     g.add_argument("--stop-grace", type=float, default=0.0,
                    help="SIGTERM grace (s) before SIGKILL when a fault stops workers (default: SIGKILL at once)")
     g.add_argument("--warm-workers", default="auto",
@@ -200,6 +206,10 @@ def _options(args: Namespace) -> Any:
         if not math.isfinite(fixed) or fixed <= 0:
             raise TierckptError(f"--heartbeat-timeout must be positive, got {args.heartbeat_timeout!r}")
     overrides: dict[str, Any] = {}
+    if args.healthy_after_steps is not None:
+        if args.healthy_after_steps < 0:
+            raise TierckptError(f"--healthy-after-steps must be 0 or more, got {args.healthy_after_steps}")
+        overrides["healthy_after_steps"] = args.healthy_after_steps
     if policy.job_max_retry_count is not None:
         overrides["job_max_retry_source"] = f"runPolicy.jobMaxRetryCount {policy.job_max_retry_count}"
     elif args.max_restarts is not None:
@@ -302,7 +312,8 @@ def launch(args: Namespace, opts: Any) -> int:
     from torch.distributed.run import config_from_args
 
     from tierckpt.launcher.agent import TierckptAgent
-    from tierckpt.launcher.options import FULL_RESTART_EXIT
+    from tierckpt.launcher.events import describe_error
+    from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT
     from tierckpt.launcher.reaper import Reaper
 
     if args.standalone:
@@ -351,6 +362,10 @@ def launch(args: Namespace, opts: Any) -> int:
     shutdown_rdzv = True
     try:
         result = agent.run()
+        if agent.failure is not None:  # the loop failed; its exit event says so too
+            print(f"tierckpt run: error: {agent.failure} (exit {agent.exit_code})", file=sys.stderr)
+        if result is None:  # torch's run() after the rendezvous closed gracefully: nothing ran
+            return 0
         if result.is_failed():
             shutdown_rdzv = agent.exit_code != FULL_RESTART_EXIT
             return agent.exit_code or 1
@@ -358,6 +373,9 @@ def launch(args: Namespace, opts: Any) -> int:
     except SignalException as exc:
         shutdown_rdzv = False  # the rendezvous stays open for the agents that come back
         return agent.exit_code or 128 + int(exc.sigval)
+    except Exception as exc:  # outside the loop (which reports its own): one line, no traceback
+        print(f"tierckpt run: error: {describe_error(exc)} (exit {LAUNCHER_ERROR_EXIT})", file=sys.stderr)
+        return LAUNCHER_ERROR_EXIT
     finally:
         agent.close()
         if shutdown_rdzv:

@@ -36,11 +36,18 @@ F FAILs if its restart (after the backoff) would come later than ``fault_deadlin
 fault that began the period. ``active_deadline_s`` (``activeDeadlineSeconds``): the job's
 wall-clock limit, counted from its first start, across full job restarts.
 
-Backoff (RESTART and FULL_RESTART): a generation "ran quick" when ``time - generation_started
-< stable_after_s``. The first fault of the history and any fault of a generation that ran
-stable restart at once (delay 0). After that, the k-th consecutive quick fault waits
-``backoff_base_s * 2**(k-1)``, capped at ``backoff_max_s``, times a jitter factor in
-``[1 - backoff_jitter, 1 + backoff_jitter]`` (still capped). FAIL has delay 0.
+Backoff (RESTART and FULL_RESTART) is for crash loops only. A faulted generation was
+**healthy** when it lived ``stable_after_s`` (``time - generation_started``) or trained
+``healthy_after_steps`` steps past the step it resumed from (``step - resumed_step``; the launcher
+fills ``resumed_step`` with the step before the first one it saw the generation beat, when the
+workers did not say). A healthy fault resets the backoff, as Kubernetes resets CrashLoopBackOff
+after a healthy run: it restarts at once (delay 0). The unhealthy faults in a row at the end of
+the history make a streak; the k-th fault of a streak waits ``backoff_base_s * 2**(k-1)``, capped
+at ``backoff_max_s``, times a jitter factor in ``[1 - backoff_jitter, 1 + backoff_jitter]``
+(still capped), except that the job's very first fault restarts at once (a streak that starts
+there counts one less). The streak survives a full job restart: the restart-state file keeps
+``unhealthy_streak`` (``decide``'s ``unhealthy_before``), which the next incarnation's streak
+continues when its history holds only unhealthy faults. FAIL has delay 0.
 """
 
 from __future__ import annotations
@@ -127,6 +134,9 @@ class EscalationPolicy:
     stable_after_s: float = 120.0
     crash_loop_limit: int = 3
     no_progress_limit: int = 3
+    #: steps past the resumed step that make a generation healthy (resets the backoff); None or 0:
+    #: only ``stable_after_s`` does
+    healthy_after_steps: int | None = 10
     fault_deadline_s: float | None = None
     active_deadline_s: float | None = None
     #: the option that set ``job_max_retry_count``, as the exit reason names it (e.g.
@@ -140,6 +150,7 @@ class EscalationPolicy:
             "max_full_job_restarts",
             "crash_loop_limit",
             "no_progress_limit",
+            "healthy_after_steps",
         ):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -195,12 +206,34 @@ class EscalationPolicy:
         )
         return min(raw * factor, self.backoff_max_s)
 
-    def consecutive_quick(self, history: Sequence[Fault]) -> int:
-        """Quick faults in a row at the end of ``history``, not counting its first fault."""
-        return _trailing(history, lambda i, f: i > 0 and f.lived_s < self.stable_after_s)
+    def healthy(self, fault: Fault) -> bool:
+        """The faulted generation lived ``stable_after_s`` or trained ``healthy_after_steps`` steps
+        past its resumed step: a fault after it is no part of a crash loop (resets the backoff)."""
+        if fault.lived_s >= self.stable_after_s:
+            return True
+        n = self.healthy_after_steps
+        if not n or fault.step is None or fault.resumed_step is None:
+            return False
+        return fault.step - fault.resumed_step >= n
+
+    def unhealthy_streak(self, history: Sequence[Fault], unhealthy_before: int = 0) -> int:
+        """Unhealthy faults in a row at the end of the job's faults: those of ``history``, plus
+        ``unhealthy_before`` (the previous incarnation's streak) when every fault of ``history``
+        is unhealthy. The restart-state file keeps it across full job restarts."""
+        run = _trailing(history, lambda _, f: not self.healthy(f))
+        return run + unhealthy_before if run == len(history) else run
+
+    def consecutive_quick(self, history: Sequence[Fault], *, unhealthy_before: int = 0,
+                          prior_restarts: int = 0) -> int:
+        """The backoff count of ``history[-1]``: its place in the streak of unhealthy faults
+        (0: healthy, restart at once); the job's very first fault does not count."""
+        streak = self.unhealthy_streak(history, unhealthy_before)
+        first_of_job = prior_restarts == 0 and unhealthy_before == 0 and streak == len(history)
+        return max(0, streak - 1) if first_of_job else streak
 
     def decide(
-        self, history: Sequence[Fault], *, full_restarts: int = 0, seed: int = 0, prior_restarts: int = 0
+        self, history: Sequence[Fault], *, full_restarts: int = 0, seed: int = 0, prior_restarts: int = 0,
+        unhealthy_before: int = 0,
     ) -> Decision:
         """Decide what to do about ``history[-1]``.
 
@@ -208,6 +241,9 @@ class EscalationPolicy:
         fault being decided. ``full_restarts``: full job restarts already done (the launcher
         persists it). ``prior_restarts``: restarts done before the last full job restart, so
         ``jobMaxRetryCount`` counts the whole job (0: count this incarnation only).
+        ``unhealthy_before``: the streak of unhealthy faults that ended the previous incarnation
+        (the restart-state file's ``unhealthy_streak``), so a crash loop across full job restarts
+        keeps backing off.
         """
         if not history:
             raise ProtocolError(
@@ -221,7 +257,8 @@ class EscalationPolicy:
         fail = self._fail_reason(history, prior_restarts)
         if fail is not None:
             return Decision(Action.FAIL, 0.0, *fail)
-        delay = self.backoff_delay(self.consecutive_quick(history), seed)
+        delay = self.backoff_delay(self.consecutive_quick(history, unhealthy_before=unhealthy_before,
+                                                          prior_restarts=prior_restarts), seed)
         late = self._fault_deadline_passed(history, last.time + delay)
         if late is not None:
             return Decision(Action.FAIL, 0.0, "faultDeadlineSeconds exceeded", late)

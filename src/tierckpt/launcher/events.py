@@ -24,7 +24,7 @@ from typing import Any
 
 from tierckpt.metrics import MetricsServer, Registry, serve
 
-__all__ = ["Events"]
+__all__ = ["Events", "describe_error"]
 
 log = logging.getLogger("tierckpt.run")
 
@@ -103,3 +103,19 @@ class Events:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def describe_error(exc: BaseException) -> str:
+    """``Type: first line of the message (at tierckpt/module.py:LINE in function)``: one line that
+    names an unexpected error and the innermost tierckpt frame it came from."""
+    import traceback
+
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        parts = frame.filename.split(os.sep)
+        if "tierckpt" in parts[:-1]:
+            path = "/".join(parts[len(parts) - 1 - parts[::-1].index("tierckpt"):])
+            where = f" (at {path}:{frame.lineno} in {frame.name})"
+            break
+    return f"{type(exc).__name__}: {text}{where}" if text else f"{type(exc).__name__}{where}"

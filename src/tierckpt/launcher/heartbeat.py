@@ -9,7 +9,8 @@
     profile.merge(tracker.profile)                            # before the next generation's trackers
 
 The timeout tunes itself: before the first beat only ``startup_deadline_s`` applies (none by
-default: a script that never beats is never called hung); from the first beat until
+default: a script that never beats is never called hung; a save's record, ``monitor.saved``,
+meets the deadline and counts as the first beat, but a rank that only saves is never timed); from the first beat until
 ``warmup_intervals`` intervals were seen, ``initial_timeout_s``; after that
 ``max(floor_s, safety_factor x the longest interval seen)``. Intervals are measured on the
 launcher's clock when a new record appears, so clock skew between processes does not matter.
@@ -71,8 +72,10 @@ class BeatTracker:
         self.section: tuple[str, float | None] | None = None  # (name, timeout_s) from the newest record
         self._waited_for_peer = False  # this interval's idleness was excused by a busy rank elsewhere
         self.step: int | None = None
+        self.first_step: int | None = None  # the first step seen this generation (its progress starts here)
         self.loss: float | None = None
         self.non_finite = False
+        self.saved = False  # a save's record arrived (monitor.saved): the rank started
 
     @property
     def longest(self) -> float:
@@ -84,7 +87,8 @@ class BeatTracker:
 
     @property
     def first_beat(self) -> bool:
-        return self.last_change is not None
+        """The rank started: it beat, or committed its part of a save."""
+        return self.last_change is not None or self.saved
 
     @property
     def calibrated(self) -> bool:
@@ -105,6 +109,10 @@ class BeatTracker:
         """Take the newest record; True when it is new."""
         if beat is None or beat.seq == self.last_seq:
             return False
+        if beat.saved and beat.step is None and self.last_change is None:  # started, never beat: not timed
+            self.saved = True
+            self.last_seq = beat.seq
+            return True
         if self.last_change is not None and self.section is None:  # start-up and the load come before beat 1
             p = self.profile
             p.longest_s = max(p.longest_s, now - self.last_change)
@@ -118,6 +126,8 @@ class BeatTracker:
         self.last_change = now
         if beat.step is not None:
             self.step = beat.step
+            if self.first_step is None:
+                self.first_step = beat.step
         self.loss = beat.loss
         self.non_finite = self.non_finite or beat.non_finite
         return True
@@ -158,7 +168,7 @@ class BeatTracker:
         if limit is None:
             return None
         if self.last_change is None:
-            if not started and now - self.start > limit:
+            if not (started or self.saved) and now - self.start > limit:
                 return STARTUP, (f"no heartbeat and no log-rule match within startupDeadlineSeconds ({limit:g}s) "
                                  "of the start")
             return None

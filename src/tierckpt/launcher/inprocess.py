@@ -24,6 +24,7 @@ import os
 import time
 from typing import Any
 
+from tierckpt import layout
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.replace import REPLACE, Route, route
 
@@ -106,10 +107,7 @@ class InProcessRestarts:
         want = min(pending) if kind == REPLACE and pending else max(self._done, default=0) + 1
         self._requests += 1
         if kind != REPLACE:
-            tmp = os.path.join(self._dir, REQUEST_FILE + ".tmp")
-            with open(tmp, "w") as f:
-                f.write(str(self._requests))
-            os.replace(tmp, os.path.join(self._dir, REQUEST_FILE))
+            layout.write_atomic(os.path.join(self._dir, REQUEST_FILE), str(self._requests))
         deadline = time.monotonic() + (self.timeout_s if kind != REPLACE else max(self.timeout_s, _REPLACE_TIMEOUT_S))
         while self._done.get(want) != set(self._ranks):
             if time.monotonic() > deadline:

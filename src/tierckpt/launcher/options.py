@@ -12,11 +12,15 @@ from tierckpt.launcher.jobspec import RunPolicy
 from tierckpt.launcher.membership import Elastic
 from tierckpt.launcher.warm import WarmPolicy
 
-__all__ = ["FULL_RESTART_EXIT", "RunOptions"]
+__all__ = ["FULL_RESTART_EXIT", "LAUNCHER_ERROR_EXIT", "RunOptions"]
 
 #: exit code of every agent when the job needs a full restart (EX_TEMPFAIL): the outer
 #: scheduler (Kubernetes Job/JobSet restart policy, Slurm --requeue, systemd) recreates them
 FULL_RESTART_EXIT = 75
+#: exit code of an agent whose own loop failed on an error it does not handle (EX_SOFTWARE): the
+#: workers were stopped and the newest memory step persisted; the ``exit`` event's ``why`` and one
+#: line on stderr name the error and where it was raised
+LAUNCHER_ERROR_EXIT = 70
 
 
 @dataclass(frozen=True, kw_only=True)

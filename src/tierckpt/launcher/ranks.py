@@ -23,7 +23,6 @@ replaced a lost node (a hot spare).
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tierckpt import layout
 from tierckpt.config import DEFAULT_MEMORY_DIR
 from tierckpt.errors import ProtocolError
 from tierckpt.launcher.state import STATE_DIR
@@ -145,9 +145,7 @@ def save_prior(memory_dir: str | None, run_id: str, rank: int, world: int) -> st
     p = _path(memory_dir, run_id)
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"group_rank": rank, "group_world_size": world}))
-        os.replace(tmp, p)
+        layout.write_atomic(p, json.dumps({"group_rank": rank, "group_world_size": world}))
     except OSError as exc:
         return f"cannot keep this node's group rank in {p}: {exc}"
     return None

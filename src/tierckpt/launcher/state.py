@@ -1,54 +1,156 @@
-"""The restart state an agent keeps beside the memory tier, so that it survives a full job restart.
+"""The restart state an agent keeps beside the memory tier and the durable tier, so that it
+survives a full job restart, on the same machines or on new ones.
 
-``<memory-dir>/.tierckpt-run/<rdzv-id>.json`` (and, for a ``file://`` durable tier,
-``<durable>/<namespace>/.tierckpt-run/<rdzv-id>.json``): the next generation, the full
-restarts done and when the job first started. Call order: ``load`` after each rendezvous,
-``save`` before every restart and exit.
+``<memory-dir>/.tierckpt-run/<rdzv-id>.json`` and, with a durable tier and a namespace, a copy
+at ``<durable>/<namespace>/.tierckpt-run/<rdzv-id>.json`` (``file://`` or ``s3://``): the next
+generation, the restarts and full restarts done, when the job first started, the resume bound,
+the hang profile, the repeat offenders and the backoff streak (``agent.py`` ``_save_state``).
+
+Call order: ``load`` after each rendezvous, ``save`` before every restart and exit. ``load``
+reads the node-local copy, and the durable copy only when there is no local one (a fresh
+machine: the job's counts, deadlines and bounds go on from where the job was). ``save``
+replaces the local copy atomically under a name unique to the writer (``layout.write_atomic``:
+two agents on one memory root never share a temporary file), then the durable copy; a durable
+copy that cannot be written is reported (the returned text), never fatal: the local one holds.
 """
 
 from __future__ import annotations
 
 import json
-import os
+import logging
 from pathlib import Path
 from typing import Any
 
+from tierckpt import layout
+from tierckpt.errors import CheckpointNotFoundError, StorageError, TierckptError
 from tierckpt.launcher.options import RunOptions
 
 __all__ = ["STATE_DIR", "load", "save"]
 
 STATE_DIR = ".tierckpt-run"
 
+log = logging.getLogger("tierckpt.run")
+
+# the state file is written on the restart path: a failing S3 may delay a restart by this much, no more
+_S3_ATTEMPTS = 3
+_S3_DEADLINE_S = 5.0
+
 
 def _memory_path(opts: RunOptions, run_id: str) -> Path | None:
     return Path(opts.memory_dir) / STATE_DIR / f"{run_id}.json" if opts.memory_dir else None
 
 
-def _durable_path(opts: RunOptions, run_id: str) -> Path | None:
+def _name(run_id: str) -> str:
+    return f"{STATE_DIR}/{run_id}.json"
+
+
+def _durable_file(opts: RunOptions, run_id: str) -> Path | None:
     url, ns = opts.durable_url, opts.namespace
     if not url or not ns or not url.startswith("file://"):
-        return None  # S3: the memory-side copy only (documented)
-    return Path(url[len("file://"):]) / ns / STATE_DIR / f"{run_id}.json"
+        return None
+    from tierckpt.config import DurableLocation
+
+    root = DurableLocation.parse(url).path
+    return None if root is None else root / ns / _name(run_id)
+
+
+def _s3(opts: RunOptions, run_id: str) -> tuple[Any, str] | None:
+    """(an S3 tier of the namespace, the state file's key), for an ``s3://`` durable tier."""
+    url, ns = opts.durable_url, opts.namespace
+    if not url or not ns or not url.startswith("s3://"):
+        return None
+    from tierckpt.config import CheckpointConfig, S3Settings
+    from tierckpt.tiers.s3 import S3Tier
+
+    settings = S3Settings(max_attempts=_S3_ATTEMPTS, retry_deadline_s=_S3_DEADLINE_S,
+                          connect_timeout_s=_S3_DEADLINE_S, read_timeout_s=_S3_DEADLINE_S)
+    tier = S3Tier.from_config(CheckpointConfig(namespace=ns, durable_url=url, s3=settings))
+    return tier, tier.ns_key + _name(run_id)
+
+
+def _parse(raw: bytes | str, where: str) -> dict[str, Any] | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        log.warning("restart state at %s does not parse; ignored", where)
+        return None
+    if not isinstance(body, dict):
+        log.warning("restart state at %s is not a JSON object; ignored", where)
+        return None
+    return body
 
 
 def load(opts: RunOptions, run_id: str) -> dict[str, Any]:
-    """The memory-side state ({} when there is none or it does not parse)."""
+    """The node-local state; when there is none, the durable copy; {} when neither exists or parses."""
     p = _memory_path(opts, run_id)
+    if p is not None:
+        try:
+            local = _parse(p.read_bytes(), str(p))
+        except FileNotFoundError:
+            local = None
+        if local is not None:
+            return local
+    durable = _load_durable(opts, run_id)
+    return durable if durable is not None else {}
+
+
+def _load_durable(opts: RunOptions, run_id: str) -> dict[str, Any] | None:
+    path = _durable_file(opts, run_id)
+    if path is not None:
+        try:
+            return _parse(path.read_bytes(), str(path))
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("restart state at %s cannot be read (%s); the job starts without it", path, exc)
+            return None
     try:
-        return dict(json.loads(p.read_text())) if p is not None else {}
-    except (FileNotFoundError, ValueError):
-        return {}
+        s3 = _s3(opts, run_id)
+        if s3 is None:
+            return None
+        tier, key = s3
+        try:
+            raw = tier.retrier.call(lambda: _get(tier, key), what="read", key=key)
+        finally:
+            tier.close()
+    except CheckpointNotFoundError:
+        return None
+    except TierckptError as exc:
+        log.warning("restart state at %s cannot be read (%s); the job starts without it", opts.durable_url, exc)
+        return None
+    return _parse(raw, f"s3://{tier.bucket}/{key}")
 
 
-def save(opts: RunOptions, run_id: str, state: dict[str, Any]) -> None:
-    body = json.dumps(state)
+def _get(tier: Any, key: str) -> bytes:
+    body = tier.client.get_object(Bucket=tier.bucket, Key=key)["Body"]
+    try:
+        return bytes(body.read())
+    finally:
+        body.close()
+
+
+def save(opts: RunOptions, run_id: str, state: dict[str, Any]) -> str | None:
+    """Write the state locally (atomically; an OSError propagates) and to the durable tier;
+    returns what went wrong with the durable copy (the caller warns), or None."""
+    body = json.dumps(state).encode()
     p = _memory_path(opts, run_id)
     if p is not None:
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(body)
-        os.replace(tmp, p)
-    durable = _durable_path(opts, run_id)
-    if durable is not None:
-        durable.parent.mkdir(parents=True, exist_ok=True)
-        durable.write_text(body)
+        layout.write_atomic(p, body)
+    path = _durable_file(opts, run_id)
+    try:
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            layout.write_atomic(path, body)
+            return None
+        s3 = _s3(opts, run_id)
+        if s3 is not None:
+            tier, key = s3
+            try:
+                tier.retrier.call(lambda: tier.client.put_object(Bucket=tier.bucket, Key=key, Body=body),
+                                  what="upload", key=key, error=StorageError)
+            finally:
+                tier.close()
+    except (OSError, TierckptError) as exc:
+        return f"the durable copy of the restart state was not written ({opts.durable_url}): {exc}"
+    return None
