@@ -3,6 +3,7 @@ and ``make_job`` (a ``LocalJob`` closed, with every process it started, after th
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -14,18 +15,27 @@ import pytest
 from tests.launcher.cluster import LocalJob
 
 
-@pytest.fixture
-def shm() -> Iterator[Callable[[str], str]]:
+@contextlib.contextmanager
+def shm_dirs(prefix: str = "tierckpt-run") -> Iterator[Callable[[str], str]]:
+    """A factory of fresh memory roots on /dev/shm (``make(tag)``), all removed on exit: for
+    fixtures of any scope (module-scoped fault-free references use it too)."""
     made: list[str] = []
 
     def make(tag: str = "node") -> str:
-        path = tempfile.mkdtemp(prefix=f"tierckpt-run-{tag}-", dir="/dev/shm")
-        made.append(path)
-        return path
+        made.append(tempfile.mkdtemp(prefix=f"{prefix}-{tag}-", dir="/dev/shm"))
+        return made[-1]
 
-    yield make
-    for path in made:
-        shutil.rmtree(path, ignore_errors=True)
+    try:
+        yield make
+    finally:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm() -> Iterator[Callable[[str], str]]:
+    with shm_dirs() as make:
+        yield make
 
 
 @pytest.fixture

@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.launcher.cluster import LocalJob, alive, newest_replica, replica_steps
+from tests.launcher.conftest import shm_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -39,22 +39,15 @@ def fault_free(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, d
 def reference_digests(tmp_path_factory: pytest.TempPathFactory, steps: int, *,
                       timeout: float) -> Iterator[dict[int, dict[int, str]]]:
     """The demo trained ``steps`` steps on 2 nodes without a fault: rank -> step -> parameter digest."""
-    made: list[str] = []
-
-    def shm(tag: str) -> str:
-        made.append(tempfile.mkdtemp(prefix=f"tierckpt-run-ref-{tag}-", dir="/dev/shm"))
-        return made[-1]
-
-    job = LocalJob(tmp_path_factory.mktemp("reference"), shm, train=["--steps", str(steps)],
-                   run_args=["--replicas", "0"])
-    try:
-        job.start()
-        assert job.wait_exit(timeout) == {0: 0, 1: 0}, job.report()
-        yield {r: steps_of(job, r)[0] for r in RANKS}
-    finally:
-        job.close()
-        for path in made:
-            shutil.rmtree(path, ignore_errors=True)
+    with shm_dirs("tierckpt-run-ref") as shm:
+        job = LocalJob(tmp_path_factory.mktemp("reference"), shm, train=["--steps", str(steps)],
+                       run_args=["--replicas", "0"])
+        try:
+            job.start()
+            assert job.wait_exit(timeout) == {0: 0, 1: 0}, job.report()
+            yield {r: steps_of(job, r)[0] for r in RANKS}
+        finally:
+            job.close()
 
 
 def steps_of(job: LocalJob, rank: int) -> dict[int, dict[int, str]]:

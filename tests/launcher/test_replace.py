@@ -12,15 +12,14 @@ process restart.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from tests.launcher.cluster import LocalJob
+from tests.launcher.conftest import shm_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +35,6 @@ def _final_digests(job: LocalJob) -> dict[int, str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, dict[int, str]]]:
     """Final parameter digests of fault-free runs, per flavour (computed once, on first use)."""
-    made: list[str] = []
-    cache: dict[str, dict[int, str]] = {}
-
-    def shm(tag: str = "node") -> str:
-        made.append(tempfile.mkdtemp(prefix=f"tierckpt-ref-{tag}-", dir="/dev/shm"))
-        return made[-1]
-
     class Lazy(dict[str, dict[int, str]]):
         def __missing__(self, flavour: str) -> dict[int, str]:
             extra = ["--inprocess"] if flavour == "inprocess" else []
@@ -50,14 +42,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, di
             try:
                 job.start()
                 assert job.wait_exit(240) == {0: 0, 1: 0}, job.report()
-                cache[flavour] = _final_digests(job)
+                self[flavour] = _final_digests(job)  # kept: the next test of the flavour reuses it
             finally:
                 job.close()
-            return cache[flavour]
+            return self[flavour]
 
-    yield Lazy()
-    for path in made:
-        shutil.rmtree(path, ignore_errors=True)
+    with shm_dirs("tierckpt-ref") as shm:
+        yield Lazy()
 
 
 def _pids(job: LocalJob, rank: int) -> list[int]:

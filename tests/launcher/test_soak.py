@@ -31,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ import pytest
 import torch
 
 from tests.launcher.cluster import LocalJob
+from tests.launcher.conftest import shm_dirs
 
 pytestmark = pytest.mark.slow
 
@@ -102,28 +102,9 @@ def _bitwise_equal(a: Any, b: Any, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
-@pytest.fixture
-def shm() -> Iterator[Any]:
-    made: list[str] = []
-
-    def make(tag: str = "node") -> str:
-        made.append(tempfile.mkdtemp(prefix=f"tierckpt-soak-{tag}-", dir="/dev/shm"))
-        return made[-1]
-
-    yield make
-    for path in made:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tuple[dict[int, Any], float]]]:
     """Final state and wall time of a fault-free run, per number of steps (on first use)."""
-    made: list[str] = []
-
-    def shm(tag: str = "node") -> str:
-        made.append(tempfile.mkdtemp(prefix=f"tierckpt-soakref-{tag}-", dir="/dev/shm"))
-        return made[-1]
-
     class Lazy(dict[int, tuple[dict[int, Any], float]]):
         def __missing__(self, steps: int) -> tuple[dict[int, Any], float]:
             job = _job(tmp_path_factory.mktemp(f"ref{steps}"), shm, steps, inprocess=False)
@@ -136,9 +117,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, tu
                 job.close()
             return self[steps]
 
-    yield Lazy()
-    for path in made:
-        shutil.rmtree(path, ignore_errors=True)
+    with shm_dirs("tierckpt-soakref") as shm:
+        yield Lazy()
 
 
 def _progress_after(job: LocalJob, t: float) -> int:
