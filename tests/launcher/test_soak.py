@@ -210,6 +210,7 @@ def _report(job: LocalJob, plan: Plan, rows: list[dict[str, Any]], wall: float, 
             inprocess: bool) -> None:
     backoff = sum(float(e["delay_s"]) for e in job.events(0) if e["event"] == "backoff")
     redone = 0
+    lost: dict[str, list[float]] = {}  # kind -> seconds from the fault to training again
     print(f"\nsoak seed {plan.seed} ({'resilient' if inprocess else 'process'}), {len(rows)} faults, "
           f"{plan.steps} steps: wall {wall:.1f} s against {ref_wall:.1f} s fault-free "
           f"(extra {wall - ref_wall:.1f} s, {(wall - ref_wall) / len(rows):.1f} s per fault; backoff {backoff:.1f} s)")
@@ -220,7 +221,9 @@ def _report(job: LocalJob, plan: Plan, rows: list[dict[str, Any]], wall: float, 
         redone += max(0, row["step"] - resumed)
         first = min((e["time"] for r in (0, 1) for e in job.trace(r)
                      if e["event"] == "step" and e["time"] > f["time"] and e["step"] > resumed), default=float("nan"))
+        lost.setdefault(row["kind"], []).append(first - row["t_inject"])
         print(f"  {row['kind']:<4} rank {row['rank']} at step {row['step']:>3}: {f['reason']} (node {f.get('node')}, "
               f"rank {f.get('rank')}) detected {f['time'] - row['t_inject']:.2f} s, training again "
               f"{first - f['time']:.2f} s after, resumed step {resumed}")
-    print(f"  steps redone {redone}")
+    print(f"  steps redone {redone}; from the fault to training again, mean per kind: "
+          + ", ".join(f"{k} {sum(v) / len(v):.2f} s" for k, v in sorted(lost.items())))
