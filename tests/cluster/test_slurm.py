@@ -153,21 +153,23 @@ def test_scancel_term_persists_the_newest_step(slurm: slurm_mod.Slurm, tmp_path:
     assert done["JobState"] in ("FAILED", "CANCELLED", "COMPLETED"), done
 
 
-#: on the offender's own tmpfs: only the worker on that host sees it, whatever rank it holds
-CRASH_FILE = "/dev/shm/crash-now"
 MEMORY = "/dev/shm/tierckpt"  # the script's memory tier on every node
 
 
 def test_full_job_restart_exit_75_requeues_without_the_repeat_offender(slurm: slurm_mod.Slurm,
                                                                          tmp_path: Path) -> None:
-    """The allocation's second host keeps failing: its worker exits at every step that sees a
-    file on that host's own ``/dev/shm`` (generation 0, then at once in generation 1). With
+    """The allocation's second host keeps failing: its worker is killed (SIGKILL, on that host)
+    in generation 0 and again at its first step of generation 1. With
     ``numRestartBeforeFullJobRestart: 1`` the second fault is a full job restart (exit 75) and
     ``maxNumRepeatOffendersToAvoid: 1`` names that host: both launchers write the ``offender``
     event and the avoid file, and the script's ``scontrol requeuehold`` / ``update ExcNodeList``
     / ``release`` (run by the job on itself, under real Slurm) requeue the job onto h0 and the
     spare host. There it resumes bit for bit, at the generation the full restart recorded, and
-    the job completes with exit 0."""
+    the job completes with exit 0.
+
+    SIGKILL, not the demo's ``--fault exit``: a worker that ends with ``sys.exit`` closes its gloo
+    sockets during a teardown that lasted 0.3 s here, its peer's crash on the closed connection
+    was seen first, and the launchers blamed the healthy node (1 run in 4; see docs/deploy.md)."""
     job_file = tmp_path / "job.yaml"
     job_file.write_text("""apiVersion: sagemaker.amazonaws.com/v1
 kind: HyperPodPyTorchJob
@@ -183,16 +185,20 @@ spec:
       maxFullJobRestarts: 1
       maxNumRepeatOffendersToAvoid: 1
 """)
-    steps = 60
-    job = SlurmJob(slurm, tmp_path, ["--steps", str(steps), "--fault", "exit", "--fault-generation", "-1",
-                                     "--fault-file", CRASH_FILE, "--fault-memory-dir", MEMORY],
-                   TIERCKPT_JOB_FILE=str(job_file))
+    steps = 80
+    job = SlurmJob(slurm, tmp_path, ["--steps", str(steps)], TIERCKPT_JOB_FILE=str(job_file))
     first = job.wait_for(lambda: (j := slurm.job(job.id)).get("JobState") == "RUNNING" and j, 120, "the job runs")
     nodes = slurm.run(["scontrol", "show", "hostnames", first["NodeList"]]).stdout.split()
     offender = _host(slurm, nodes[1])
     spare = next(h for h in slurm.hosts if h.name not in nodes)
+    pid_file = job.work / "pid_rank1"
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 5, 180, "both ranks reach step 5")
-    offender.run(["touch", CRASH_FILE])
+    killed = [pid_file.read_text()]
+    offender.run(["kill", "-9", killed[0]])  # rank 1's worker, on the offender host
+    job.wait_for(lambda: job.last_step(1, generation=1) >= 0 and pid_file.read_text() not in killed, 120,
+                 "rank 1 steps in generation 1")
+    killed.append(pid_file.read_text())
+    offender.run(["kill", "-9", killed[1]])
     t_fault = time.time()
     requeued = job.wait_for(lambda: (j := slurm.job(job.id)).get("Restarts") == "1" and j["JobState"] == "PENDING"
                             and j, 180, "the job requeued, pending")
@@ -213,7 +219,7 @@ spec:
     faults = [e for e in events if e["event"] == "fault"]
     assert sorted((e["generation"], e["host"]) for e in faults) == [(0, nodes[0]), (0, nodes[1]),
                                                                     (1, nodes[0]), (1, nodes[1])], job.report()
-    assert {(e["reason"], e["node"], e["rank"], e["detail"]) for e in faults} == {("Crash", 1, 1, "exit code 3")}, faults
+    assert {(e["reason"], e["node"], e["rank"], e["detail"]) for e in faults} == {("Crash", 1, 1, "killed by SIGKILL")}, faults
     assert [e["kind"] for e in events if e["event"] == "restart" and e["host"] == nodes[0]] == ["process", "job"]
     offenders = [e for e in events if e["event"] == "offender"]
     assert sorted(e["host"] for e in offenders) == nodes, job.report()  # each node names it
