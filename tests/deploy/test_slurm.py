@@ -1,13 +1,18 @@
 """deploy/slurm/tierckpt.sbatch run with a fake Slurm environment: its srun and tierckpt run lines.
 
-Slurm cannot run here, so ``srun`` and ``scontrol`` are stand-ins on PATH (said here, as the
-project's rules ask): the fake srun starts its command once per node with that node's
-SLURM_NODEID, as srun --ntasks-per-node=1 would, and returns the highest exit code; the fake
-scontrol expands the node list and records every call in order (``show job -o`` answers with
-``$FAKE_EXC`` as the job's ExcNodeList), so the order of the requeue, the exclusion and the release
-is checked against what real Slurm requires (an ExcNodeList changes on a pending job only); the
-fake tierckpt writes ``$FAKE_AVOID`` to its ``--avoid-file`` as the launcher does at a full
-restart. The batch script itself runs for real.
+The fast test of the script: ``srun``, ``scontrol`` and ``sbatch`` are stand-ins on PATH (said
+here, as the project's rules ask); the same script runs under a real Slurm in
+``tests/cluster/test_slurm.py``, which the fakes follow. The fake srun starts its command once
+per node with that node's SLURM_NODEID, as srun --ntasks-per-node=1 would, and returns the
+highest exit code; the fake scontrol expands the node list and records every call in order
+(``show job -o`` answers with ``$FAKE_EXC`` as the job's ExcNodeList; ``update`` fails as real
+Slurm does for an unknown node name when ``$FAKE_UPDATE_FAILS`` is set), so the order of the
+requeue, the exclusion and the release is checked against what real Slurm requires (an
+ExcNodeList changes on a pending job only: a job the script requeues held is one while its
+batch shell still runs); the fake sbatch answers ``--test-only`` as real Slurm does: it would
+start the job, or (``$FAKE_TOO_FEW`` set, and the call excludes nodes) "Requested node
+configuration is not available"; the fake tierckpt writes ``$FAKE_AVOID`` to its
+``--avoid-file`` as the launcher does at a full restart. The batch script itself runs for real.
 """
 
 from __future__ import annotations
@@ -38,10 +43,18 @@ FAKE_SCONTROL = """#!/bin/bash
 case "$1 $2" in
   "show hostnames") echo gpu-a; echo gpu-b ;;
   "show job") echo "JobId=$4 JobName=llama ReqNodeList=(null) ExcNodeList=${FAKE_EXC:-(null)} NodeList=gpu-[a-b]" ;;
-  requeuehold*|release*|update*) ;;
+  update*) [[ -n "${FAKE_UPDATE_FAILS:-}" ]] && { echo "Invalid node name specified for job 4242" >&2; exit 1; } ;;
+  requeuehold*|release*) ;;
   requeue*) echo "$2" >> "$FAKE_LOG/requeued" ;;
   *) exit 9 ;;
 esac
+"""
+FAKE_SBATCH = """#!/bin/bash
+echo "$*" >> "$FAKE_LOG/sbatch.calls"
+if [[ -n "${FAKE_TOO_FEW:-}" && "$*" == *--exclude=* ]]; then
+  echo "allocation failure: Requested node configuration is not available" >&2; exit 1
+fi
+echo "sbatch: Job 4243 to start at 2026-11-27T04:01:45 using 2 processors on nodes gpu-[a-b] in partition gpu" >&2
 """
 FAKE_TIERCKPT = """#!/bin/bash
 printf '%s\\n' "$@" > "$FAKE_LOG/tierckpt.$SLURM_NODEID"
@@ -59,13 +72,14 @@ def run_sbatch(tmp_path: Path, rc: int, **env: str) -> tuple[int, Path, str]:
     bindir, log = tmp_path / "bin", tmp_path / "log"
     bindir.mkdir(parents=True)
     log.mkdir()
-    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("tierckpt", FAKE_TIERCKPT)):
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("sbatch", FAKE_SBATCH),
+                       ("tierckpt", FAKE_TIERCKPT)):
         (bindir / name).write_text(body)
         (bindir / name).chmod(0o755)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TIERCKPT_"))}
     base.update(PATH=f"{bindir}:{os.environ['PATH']}", FAKE_LOG=str(log), FAKE_RC=str(rc),
                 SLURM_JOB_ID="4242", SLURM_JOB_NAME="llama", SLURM_JOB_NUM_NODES="2",
-                SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(tmp_path))
+                SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_JOB_PARTITION="gpu", SLURM_GPUS_ON_NODE="8", SLURM_SUBMIT_DIR=str(tmp_path))
     base.update(env)
     proc = subprocess.run(["bash", str(SBATCH), "train.py", "--lr", "3e-4", "--name", "a b"], env=base,
                           capture_output=True, text=True, timeout=60)
@@ -118,10 +132,37 @@ def test_exit_75_excludes_the_avoided_nodes_from_the_requeued_job(tmp_path: Path
     assert (log / "scontrol.calls").read_text().splitlines() == [
         "requeuehold 4242", "update JobId=4242 ExcNodeList=gpu-z,gpu-b", "release 4242"]
     assert "avoids repeat offender(s) gpu-b" in out
+    # asked first whether Slurm would start the job without them (it would)
+    assert (log / "sbatch.calls").read_text().splitlines() == [
+        "--test-only --nodes=2 --partition=gpu --exclude=gpu-z,gpu-b --wrap=true"]
     avoid = f"{tmp_path}/tierckpt-logs/4242/avoid"
     for node in (0, 1):
         assert build_parser().parse_args((log / f"tierckpt.{node}").read_text().splitlines()[1:]).avoid_file == avoid
         assert (log / f"node_name.{node}").read_text().strip() == "gpu-a"
+
+
+def test_an_exclusion_that_leaves_too_few_nodes_is_not_made(tmp_path: Path) -> None:
+    """Real Slurm keeps a job whose exclusions leave its partition fewer nodes than it needs
+    pending for good (reason ``BadConstraints``, seen in tests/cluster with 4 hosts, 2 of them
+    excluded at submission): the script asks ``sbatch --test-only`` with and without the
+    exclusion and, where only the exclusion makes the job impossible, requeues it as it is."""
+    rc, log, out = run_sbatch(tmp_path, 75, FAKE_AVOID="gpu-b\n", FAKE_EXC="gpu-[c-z]", FAKE_TOO_FEW="1")
+    assert rc == 75, out
+    assert (log / "scontrol.calls").read_text().splitlines() == ["requeue 4242"]
+    assert (log / "sbatch.calls").read_text().splitlines() == [
+        "--test-only --nodes=2 --partition=gpu --exclude=gpu-[c-z],gpu-b --wrap=true",
+        "--test-only --nodes=2 --partition=gpu --wrap=true"]
+    assert "not excluding repeat offender(s) gpu-b" in out and "Requested node configuration is not available" in out
+
+
+def test_a_failed_exclusion_still_releases_the_job(tmp_path: Path) -> None:
+    """``scontrol update`` refuses a name Slurm does not know (real Slurm: "Invalid node name
+    specified"): the held job is released all the same, requeued without the exclusion."""
+    rc, log, out = run_sbatch(tmp_path, 75, FAKE_AVOID="gpu-b\n", FAKE_UPDATE_FAILS="1")
+    assert rc == 75, out
+    assert (log / "scontrol.calls").read_text().splitlines() == [
+        "requeuehold 4242", "update JobId=4242 ExcNodeList=gpu-b", "release 4242"]
+    assert "could not exclude gpu-b; the job is requeued without it" in out
 
 
 def test_a_stale_avoid_list_is_not_used_and_excluding_can_be_turned_off(tmp_path: Path) -> None:
