@@ -13,7 +13,9 @@ host's mount namespace sees, as a cluster's hosts each see their own), ``proctra
 ``task/none``, no cgroups, no accounting, ``select/linear`` (whole nodes), ``ReturnToService=2``
 (a host that comes back is usable again) and short timeouts so a lost host is noticed in
 seconds; ``cred_expire=10`` because a requeued job waits that long before it may start again
-(Slurm's default: 120 s). Every path (state, spool, logs, pid files, the socket) is in one directory made for the
+(Slurm's default: 120 s); ``sched_interval=5`` because a requeued job that may start waits
+for the next full scheduling pass (Slurm's default: every 60 s; most of a requeue's cost in
+these tests before). Every path (state, spool, logs, pid files, the socket) is in one directory made for the
 run; the daemons run in the foreground on their hosts, so killing a host kills its ``slurmd``.
 """
 
@@ -82,6 +84,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SelectType=select/linear
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=5
 MpiDefault=none
 ReturnToService=2
 SlurmdTimeout={self.slurmd_timeout}

@@ -2,7 +2,7 @@
 
 2 agents x 1 worker of ``tierckpt.demo.resilient`` on 127.0.0.1 (an MLP trained with AdamW on
 data that is a function of the step, a save every step), every launcher at the defaults a user
-gets (``--node-timeout 10``) but ``--max-restarts``. A seeded schedule injects, each after 8-14
+gets (``--node-timeout 10``) but ``--max-restarts``. A seeded schedule injects, each after 12-16
 steps of healthy progress since the last recovery, every fault kind at least once:
 
 - ``kill``: SIGKILL of a worker (under ``tierckpt.resilient``: the rank is replaced alone, the
@@ -17,7 +17,8 @@ Asserted: every launcher exits 0; each fault is reported once, with the reason o
 the rank that was hit (a node loss: not yet: the survivor's own rank is blamed, a ``Crash`` or
 ``Hang`` of a collective whose peer is gone, until the diagnosis stage of issue 25; the soak
 prints what was blamed); no restart beyond one per fault (a failed save that turns into
-spurious in-process restarts fails here); every resume loaded the exact state saved at its step
+spurious in-process restarts fails here); no backoff (every fault follows healthy progress);
+every resume loaded the exact state saved at its step
 (digests); the final parameters and optimizer state equal a fault-free run's, bit for bit.
 Printed: faults survived, steps redone, extra wall time against the fault-free run, and how much
 of it was backoff, detection and recovery (performance is not asserted: benchmarks do that).
@@ -49,7 +50,10 @@ KINDS = ("kill", "hang", "nan", "node")
 REASON = {"kill": "Crash", "hang": "Hang", "nan": "NonFiniteLoss"}
 SEEDS = [int(s) for s in os.environ.get("TIERCKPT_SOAK_SEEDS", "7").split(",") if s.strip()]
 FAULTS = int(os.environ.get("TIERCKPT_SOAK_FAULTS", "6"))
-GAP = (8, 14)  # healthy steps between a recovery and the next fault
+#: healthy steps between a recovery and the next fault: at least --healthy-after-steps (10) even
+#: where the launcher sees a generation's first step a beat late, so no fault of the soak earns a
+#: backoff (backoff is for crash loops: before issue 24 item 2 it grew to 7-15 s by the fifth fault)
+GAP = (12, 16)
 
 
 @dataclass
@@ -193,6 +197,8 @@ def test_chaos_soak_ends_bit_identical_to_a_fault_free_run(
         assert len(node_loss) == 1 + sum(k == "node" for k, _, _ in plan.faults), "a new agent per lost node"
         restarts = [e for e in job.events(0) if e["event"] == "restart"]
         assert len(restarts) == len(plan.faults), ("one restart per fault, none spurious", restarts)
+        backoffs = [e for e in job.events() if e["event"] == "backoff"]
+        assert not backoffs, ("no backoff after healthy progress", backoffs)
         for r in (0, 1):
             saved = {(e["step"], e["digest"]) for e in job.trace(r) if e["event"] == "step"}
             for e in job.trace(r):
