@@ -704,7 +704,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             return None
         if self._inproc.handles(fault, self.node) and self._inproc.restart(  # a replace: from the claim's detection
                 g, fault.get("reason"), kind=str(fault.get("kind") or "inprocess"),
-                since=fault.get("time") if _kind(fault) else None) is not None:
+                since=fault.get("time") if _kind(fault) else None, abandon=self._lost_now) is not None:
             self.generation = g + 1  # the processes stay; a fresh claim key for the next fault
             self._rearm_trackers()
             return None
@@ -718,8 +718,11 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._changes = len(claims) - len(self._history)
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
             if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)
-        all_here = fault.get("reason") not in ("LostNode", MEMBERSHIP_CHANGE, "LostStore") and \
+        lost_now = self._lost_now()  # counted lost meanwhile (the fault itself may be a survivor's symptom)
+        all_here = fault.get("reason") not in ("LostNode", MEMBERSHIP_CHANGE, "LostStore") and not lost_now and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
+        if lost_now and fault.get("reason") != "LostNode":  # the live nodes' marks, not the lost ones'
+            self.ctl.wait_stopped(g, self.nnodes - len(lost_now), timeout=self.opts.node_timeout_s)
         # after the stop barrier every node's mark for g is in: all compute the same bound
         self.resume_before = resume.advance(self.resume_before, fault,
                                             resume.passed(self.ctl.store, g, self.nnodes),
@@ -765,6 +768,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                          why=decision.reason, handover_s=round(handover, 3), resume_before=self.resume_before,
                          pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
         return None
+
+    def _lost_now(self) -> list[int]:
+        """The other nodes the liveness verdict counts lost now ([] without liveness)."""
+        return self._liveness.lost() if self._liveness is not None else []
 
     def _tagged(self, record: dict[str, Any]) -> dict[str, Any]:
         """A local crash, marked for a replacement alone when the workers allow it and the escalation

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tierckpt import layout
@@ -95,10 +96,12 @@ class InProcessRestarts:
         return rearm
 
     def restart(self, generation: int, reason: str | None, *, kind: str = "inprocess", since: float | None = None,
-                **detail: Any) -> float | None:
+                abandon: Callable[[], list[int]] | None = None, **detail: Any) -> float | None:
         """Ask this node's workers to restart in-process (``kind="replace"``: a replacement joins
         them, the store's fault key is their request); seconds from ``since`` (default: now) until
-        all reported it, None on timeout. ``detail`` goes into the ``restart`` event."""
+        all reported it, None on timeout, or as soon as ``abandon()`` names a node counted lost (a
+        rank waits in a collective for a rank of that node, which never rejoins: the process
+        path's rendezvous replaces it). ``detail`` goes into the ``restart`` event."""
         if self._dir is None:
             return None
         t0 = time.time() if since is None else since
@@ -110,7 +113,7 @@ class InProcessRestarts:
             layout.write_atomic(os.path.join(self._dir, REQUEST_FILE), str(self._requests))
         deadline = time.monotonic() + (self.timeout_s if kind != REPLACE else max(self.timeout_s, _REPLACE_TIMEOUT_S))
         while self._done.get(want) != set(self._ranks):
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline or (abandon is not None and abandon()):
                 return None
             time.sleep(0.01)
             self._read()

@@ -82,3 +82,17 @@ def test_request_waits_for_every_local_worker_and_times_out(tmp_path: Path) -> N
     t.join()
     ev.close()
     assert _events(tmp_path / "ev.jsonl")[-1]["kind"] == "inprocess"
+
+
+def test_a_request_is_abandoned_at_once_when_a_node_is_counted_lost(tmp_path: Path) -> None:
+    """A rank blocked in a collective with a peer on a lost machine never reports its in-process
+    restart: the request ends when the liveness verdict counts a node lost, not after its 30 s
+    (the chaos soak: a node lost under tierckpt.resilient took 46 s to train again)."""
+    ev = Events(str(tmp_path / "ev.jsonl"), node=0)
+    ip = InProcessRestarts(ev, timeout_s=30.0)
+    ip.arm(str(tmp_path), [0])
+    lost_at = time.monotonic() + 0.3
+    t0 = time.monotonic()
+    assert ip.restart(3, "Hang", abandon=lambda: [1] if time.monotonic() >= lost_at else []) is None
+    assert time.monotonic() - t0 < 5.0
+    ev.close()
