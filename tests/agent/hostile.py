@@ -28,11 +28,22 @@ NS = "agent-run"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def raw_connect(address: tuple[str, int], *, source: str | None = None, timeout: float = 10.0) -> Connection:
+    """A connection to an agent, ready for the handshake's first frame (the server's hello)."""
+    sock = socket.create_connection(address, timeout=timeout, source_address=(source, 0) if source else None)
+    return Connection(sock, step_timeout=timeout)
+
+
+def raw_accept(listener: socket.socket, timeout: float = 5.0) -> Connection:
+    """The server side of a fake agent: an accepted connection, ready to send a hello."""
+    s, _ = listener.accept()
+    return Connection(s, step_timeout=timeout)
+
+
 def client_handshake(address: tuple[str, int], node: str, secret: bytes = SECRET, *,
                      source: str | None = None, timeout: float = 10.0) -> Connection:
     """Authenticate to an agent as ``node`` by hand (hello → auth → welcome → proof); the tagged connection."""
-    sock = socket.create_connection(address, timeout=timeout, source_address=(source, 0) if source else None)
-    conn = Connection(sock, step_timeout=timeout)
+    conn = raw_connect(address, source=source, timeout=timeout)
     hello = conn.recv()
     mine = secrets.token_hex(32)
     conn.send({"op": "auth", "node": node, "nonce": mine})
