@@ -40,6 +40,9 @@ class PeerClient(Connection):
     @classmethod
     def connect(cls, address: tuple[str, int], node_id: str, secret: bytes | None, *,
                 timeout: float = 30.0, source: tuple[str, int] | None = None) -> PeerClient:
+        if not secret:
+            raise PeerError(f"no job secret, so no peer connection (to {address[0]}:{address[1]}): start every agent "
+                            "with the same --secret-file or $TIERCKPT_AGENT_SECRET")
         try:
             sock = socket.create_connection(address, timeout=timeout, source_address=source)
         except OSError as exc:
@@ -48,7 +51,7 @@ class PeerClient(Connection):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.set_deadline(timeout)
-            client.node = client._handshake(node_id, secret or b"")
+            client.node = client._handshake(node_id, secret)
             client.set_deadline(None)
         except (OSError, p.ProtocolViolation) as exc:
             client.close()

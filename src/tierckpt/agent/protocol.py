@@ -166,7 +166,9 @@ def session_keys(secret: bytes, server_nonce: str, client_nonce: str, server_nod
 
 
 def check_mac(expected: str, got: object) -> None:
-    if not isinstance(got, str) or not hmac.compare_digest(expected, got):
+    """ProtocolViolation unless ``got`` is the expected MAC; any other value (not a string, not
+    ASCII: ``compare_digest`` raises TypeError on those) is just as wrong."""
+    if not isinstance(got, str) or not got.isascii() or not hmac.compare_digest(expected, got):
         raise ProtocolViolation("authentication failed (wrong or missing job secret)")
 
 

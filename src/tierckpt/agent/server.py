@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.agent import protocol as p
+from tierckpt.agent.config import SECRET_ENV
 from tierckpt.agent.wire import Connection
 from tierckpt.observability import get_logger
 from tierckpt.unixsock import short_path
@@ -123,24 +124,30 @@ class PeerServer:
     def _serve(self, sock: socket.socket) -> None:
         conn = Connection(sock, step_timeout=self.limits.idle_s)
         try:
+            if not self.agent.config.secret:
+                raise p.ProtocolViolation("this agent has no job secret, so it serves no peer: start every agent "
+                                          f"with the same --secret-file or ${SECRET_ENV}")
             conn.set_deadline(self.limits.handshake_s)
             peer = self._handshake(conn)
             while not self._closed:
-                conn.set_deadline(self.limits.idle_s)
+                conn.set_deadline(None)
+                if not conn.wait_readable(self.limits.idle_s):
+                    raise p.ProtocolViolation(f"closed after {self.limits.idle_s:g}s idle")
+                conn.set_deadline(self.limits.request_s)  # the whole frame, then the answer
                 try:
                     body = conn.recv()
                 except p.ProtocolViolation as exc:
                     if "after 0 of" in str(exc):
                         return  # the peer closed between requests
                     raise
-                conn.set_deadline(self.limits.request_s)
                 self.agent.handle_peer(p.parse_request(body), conn, peer)
-        except p.ProtocolViolation as exc:
+        except (p.ProtocolViolation, TimeoutError) as exc:
             self.agent.metrics.rejected.inc()
-            _log.warning("[Agent %s] closed a peer connection: %s", self.agent.node_id, exc)
+            message = str(exc) if isinstance(exc, p.ProtocolViolation) else f"ran past its deadline ({exc})"
+            _log.warning("[Agent %s] closed a peer connection: %s", self.agent.node_id, message)
             try:
                 conn.set_deadline(1.0)
-                conn.send({"op": "error", "message": str(exc)[:500]})
+                conn.send({"op": "error", "message": message[:500]})
             except (OSError, p.ProtocolViolation):
                 pass
         except OSError as exc:

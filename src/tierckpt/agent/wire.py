@@ -63,12 +63,16 @@ class Connection:
         self._deadline = None if seconds is None else time.monotonic() + seconds
         self._arm()
 
+    def wait_readable(self, seconds: float) -> bool:
+        """Whether the peer sent something (or closed) within ``seconds``: the wait between requests."""
+        return bool(select.select([self.sock], [], [], seconds)[0])
+
     def _arm(self) -> None:
         timeout = self.step_timeout
         if self._deadline is not None:
             left = self._deadline - time.monotonic()
             if left <= 0:
-                raise p.ProtocolViolation("the operation ran past its deadline")
+                raise TimeoutError("the operation ran past its deadline")
             timeout = min(timeout, left)
         self.sock.settimeout(timeout)
 
