@@ -22,12 +22,14 @@ from tests.agent.hostile import (
     SECRET,
     back_to_baseline,
     client_handshake,
+    client_hello,
     closed_by_server,
     payload,
     proc_stats,
     put,
     raw_accept,
     raw_connect,
+    serve_hello,
     serves_bit_for_bit,
 )
 from tests.agent.test_agent import _save
@@ -47,8 +49,7 @@ def test_a_mac_that_is_not_ascii_is_refused_on_both_sides(node_dir, agent) -> No
     _save(d, [1])
     a = agent(memory_dir=d, node_id="node-a", secret=SECRET, replicas=0)
     base = proc_stats(os.getpid())
-    conn = raw_connect(a.address)
-    hello = conn.recv()
+    conn, hello, _ = client_hello(a.address)
     conn.send({"op": "auth", "node": "node-x", "nonce": secrets.token_hex(32)})
     assert conn.recv()["op"] == "welcome"
     conn.send({"op": "proof", "mac": NOT_ASCII})
@@ -65,7 +66,7 @@ def test_a_mac_that_is_not_ascii_is_refused_on_both_sides(node_dir, agent) -> No
     def fake_server() -> None:
         c = raw_accept(impostor)
         try:
-            c.send({"op": "hello", "node": "node-f", "nonce": "ab" * 32, **_hello_extra()})
+            serve_hello(c, "node-f", "ab" * 32)
             c.recv()
             c.send({"op": "welcome", "node": "node-f", "mac": NOT_ASCII})
             c.recv()
@@ -82,10 +83,6 @@ def test_a_mac_that_is_not_ascii_is_refused_on_both_sides(node_dir, agent) -> No
     impostor.close()
     serves_bit_for_bit(a.address, d, "node-a", 1)
     back_to_baseline(os.getpid(), base)
-
-
-def _hello_extra() -> dict[str, str]:
-    return {}
 
 
 def test_an_agent_without_a_secret_serves_no_peer(node_dir, agent) -> None:

@@ -131,7 +131,11 @@ class AgentConfig:
     peers          other agents' (host, port); the ring is built over the node ids they report
     node_id        this node's stable identity (default: host + memory root)
     replicas       how many other nodes receive a copy of this node's newest step (0 = none)
-    secret         the job secret; None → only a loopback ``listen`` is allowed
+    secret         the job secret; None → only a loopback ``listen`` is allowed, and no peer is
+                   served or asked (other local users are not trusted)
+    insecure_wire  peers talk without TLS: no encryption, no integrity beyond the item checksums
+                   (the handshake's MACs still authenticate each peer). Only for a fabric whose
+                   every host and switch the user trusts; every agent of the job must agree.
     budget_bytes   node-wide cap on the memory tier (every namespace, replicas included); None = none
     durable_url    where the agent drains steps on ``flush`` (None: flush is a no-op)
     scan_interval_s  how often the agent rescans the memory root (notifications make it sooner)
@@ -147,6 +151,7 @@ class AgentConfig:
     node_id: str = ""
     replicas: int = 1
     secret: bytes | None = field(default=None, repr=False)
+    insecure_wire: bool = False
     budget_bytes: int | None = None
     durable_url: str | None = None
     scan_interval_s: float = 1.0
@@ -169,6 +174,8 @@ class AgentConfig:
                 f"listening on {self.listen[0]} needs a job secret: set {SECRET_ENV} or pass --secret-file "
                 "(without one the agent listens on loopback only)"
             )
+        if not isinstance(self.insecure_wire, bool):
+            raise ConfigError(f"insecure_wire must be True or False, got {self.insecure_wire!r}")
         if self.budget_bytes is not None and self.budget_bytes < 1:
             raise ConfigError("budget_bytes must be at least 1")
         if self.durable_url is not None:
