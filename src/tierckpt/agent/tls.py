@@ -47,6 +47,7 @@ class ServerTLS:
                               "ephemeral certificate; on a fabric you trust, --insecure-wire runs without TLS")
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.num_tickets = 0  # no resumption: and a ticket the client never reads turns its close into a reset
         private = tempfile.mkdtemp(prefix="tierckpt-agent-tls-")  # 0700: only this user reads the key
         try:
             key, cert = os.path.join(private, "key.pem"), os.path.join(private, "cert.pem")

@@ -33,6 +33,7 @@ __all__ = ["Connection", "SEG_ABORT", "SEG_DATA", "WriteFailed"]
 
 _GROW = 1 << 16  # bytes read at a time into a growing buffer
 _PIECE = 1 << 20  # bulk bytes received at a time: fits the CPU cache for the item checksums
+_TLS_WRITE = 256 << 10  # bytes per TLS write: 8 MiB at once cost 2.8x the CPU per GB here (cache misses)
 SEG_DATA, SEG_ABORT = b"\x00", b"\x01"
 
 
@@ -167,8 +168,9 @@ class Connection:
                             raise IntegrityError(check.error)
                     self._arm()
                     self.sock.sendall(SEG_DATA)
-                    if self.tls:
-                        self.sock.sendall(seg)
+                    for start in range(0, n, _TLS_WRITE) if self.tls else ():
+                        self._arm()
+                        self.sock.sendall(seg[start : start + _TLS_WRITE])
                 if not self.tls:
                     self._sendfile(fd, pos, n)
             if check is not None:
@@ -213,10 +215,14 @@ class Connection:
             self._segment_start("sending a file")
             got = 0
             while got < seg:  # each piece checked and written while still in the CPU cache
-                self._arm()
-                k = self.sock.recv_into(view[: min(len(buf), seg - got)])
-                if k == 0:
-                    raise p.ProtocolViolation(f"connection closed with {left - got} bytes of a file still to come")
+                want = min(len(buf), seg - got)
+                k = 0
+                while k < want:  # a TLS read gives one record (16 KiB): fill the piece first, one write
+                    self._arm()
+                    n = self.sock.recv_into(view[k:want])
+                    if n == 0:
+                        raise p.ProtocolViolation(f"connection closed with {left - got - k} bytes of a file still to come")
+                    k += n
                 piece = view[:k]
                 if check is not None:
                     check.update(piece)
