@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -23,12 +24,10 @@ from tests.agent.hostile import (
     back_to_baseline,
     client_handshake,
     client_hello,
-    closed_by_server,
     payload,
     proc_stats,
     put,
     raw_accept,
-    raw_connect,
     serve_hello,
     serves_bit_for_bit,
 )
@@ -36,8 +35,8 @@ from tests.agent.test_agent import _save
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import PeerClient, PeerError
-from tierckpt.agent.config import AgentLimits
-from tierckpt.errors import IntegrityError
+from tierckpt.agent.config import AgentLimits, user_secret
+from tierckpt.errors import ConfigError, IntegrityError
 
 NOT_ASCII = "\u00e9" * 64
 
@@ -85,17 +84,36 @@ def test_a_mac_that_is_not_ascii_is_refused_on_both_sides(node_dir, agent) -> No
     back_to_baseline(os.getpid(), base)
 
 
-def test_an_agent_without_a_secret_serves_no_peer(node_dir, agent) -> None:
-    """On loopback without a job secret, a peer using the empty key is refused with an error frame
-    (other local users are untrusted); a client without a secret does not even connect."""
-    d = node_dir("a")
-    _save(d, [1])
-    a = agent(memory_dir=d, node_id="node-a", secret=None, replicas=0)
-    conn = raw_connect(a.address)
-    first = conn.recv()
-    assert first["op"] == "error" and "secret" in first["message"], first
-    assert closed_by_server(conn.sock)
-    wait_for(lambda: a._agent.metrics.rejected.value() == 1, "the refused connection counted")
+def test_an_agent_without_a_secret_serves_only_this_users_agents(node_dir, agent, tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """On loopback without a job secret the agent does not serve the empty key (another local user):
+    it authenticates with this user's own secret file (0600 in a 0700 directory), which this user's
+    other agents share, so they still replicate; a client with no secret at all does not connect."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("TIERCKPT_AGENT_SECRET", raising=False)
+    a_dir, b_dir = node_dir("a"), node_dir("b")
+    b = agent(memory_dir=b_dir, node_id="node-b", secret=None, replicas=0)
+    a = agent(memory_dir=a_dir, node_id="node-a", secret=None, peers=(b.address,))
+    secret_file = tmp_path / ".config" / "tierckpt" / "agent-secret"
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(secret_file.parent.stat().st_mode) == 0o700
+    for key in (b"", SECRET):  # the empty key, or any key but this user's
+        conn, hello, binding = client_hello(b.address)
+        mine = secrets.token_hex(32)
+        conn.send({"op": "auth", "node": "node-x", "nonce": mine})
+        welcome = conn.recv()
+        ids = (hello["nonce"], mine, hello["node"], "node-x", binding)
+        with pytest.raises(p.ProtocolViolation, match="authentication"):
+            p.check_mac(p.server_mac(key, *ids), welcome["mac"])  # the agent is not fooled either way
+        conn.send({"op": "proof", "mac": p.client_mac(key, *ids)})
+        reply = conn.recv()
+        assert reply["op"] == "error" and "authentication" in reply["message"], reply
+        conn.close()
+    wait_for(lambda: b._agent.metrics.rejected.value() == 2, "both refused connections counted")
+    _save(a_dir, [1])
+    wait_for(lambda: Path(b_dir, layout.REPLICAS, "node-a", NS, "step_1", layout.MARKER).exists(),
+             "this user's agents replicate with its own secret")
+    assert secret_file.read_bytes().strip() == a._agent.secret == b._agent.secret
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -105,6 +123,9 @@ def test_an_agent_without_a_secret_serves_no_peer(node_dir, agent) -> None:
     with pytest.raises(TimeoutError):
         listener.accept()  # it never connected
     listener.close()
+    secret_file.chmod(0o644)
+    with pytest.raises(ConfigError, match="0600"):
+        user_secret(str(secret_file))
 
 
 def test_a_request_frame_meets_the_request_deadline_and_a_deadline_says_so(node_dir, agent) -> None:

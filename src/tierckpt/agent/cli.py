@@ -6,8 +6,8 @@
                          [--insecure-wire]
     tierckpt agent status [--memory-dir DIR] [--json]
     tierckpt agent flush  [--memory-dir DIR] [--namespace NS]
-The secret comes from --secret-file, else $TIERCKPT_AGENT_SECRET; without one, loopback only and
-no peer is served. Peers talk TLS 1.3 unless --insecure-wire (a fabric the user trusts).
+The secret comes from --secret-file, else $TIERCKPT_AGENT_SECRET; without one, loopback only, with
+this user's own secret (~/.config/tierckpt/agent-secret, 0600: other local users cannot connect). Peers talk TLS 1.3 unless --insecure-wire (a fabric the user trusts).
 """
 
 from __future__ import annotations

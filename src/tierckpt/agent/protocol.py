@@ -25,7 +25,8 @@ with the insecure wire, TLS 1.3 (``agent.tls``) carries everything else:
                         → stored {} | error {message}
       status {}         → status {...}
 
-An agent without a job secret answers every connection with an ``error`` frame instead of a hello.
+An agent without a job secret listens on loopback only and uses this user's own secret
+(``config.user_secret``), so the empty key never authenticates anyone.
 
 Every value that names storage is validated here (namespace and node id regexes, whole
 numbers, file names from a fixed pattern), so no path ever comes from the wire. A frame

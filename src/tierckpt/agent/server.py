@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.agent import protocol as p
-from tierckpt.agent.config import SECRET_ENV
 from tierckpt.agent.tls import ServerTLS
 from tierckpt.agent.wire import Connection
 from tierckpt.observability import get_logger
@@ -52,7 +51,7 @@ class PeerServer:
         self.agent = agent
         self.limits = agent.config.limits
         self.wire = "insecure" if agent.config.insecure_wire else "tls13"
-        self.tls = None if agent.config.insecure_wire or not agent.config.secret else ServerTLS.create()
+        self.tls = None if agent.config.insecure_wire else ServerTLS.create()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -133,9 +132,6 @@ class PeerServer:
         with self._lock:
             self._live[sock] = conn
         try:
-            if not self.agent.config.secret:
-                raise p.ProtocolViolation("this agent has no job secret, so it serves no peer: start every agent "
-                                          f"with the same --secret-file or ${SECRET_ENV}")
             conn.set_deadline(self.limits.handshake_s)
             peer = self._handshake(conn)
             while not self._closed:
@@ -181,7 +177,7 @@ class PeerServer:
             raise p.ProtocolViolation("expected auth")
         peer = p.validate_node_id(auth.get("node"))
         ids = (nonce, p.validate_nonce(auth.get("nonce")), me, peer, p.channel_binding(self.wire, end_point))
-        key = self.agent.config.secret or b""
+        key = self.agent.secret
         conn.send({"op": "welcome", "node": me, "mac": p.server_mac(key, *ids)})
         proof = conn.recv()
         if proof.get("op") != "proof":

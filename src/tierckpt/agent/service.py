@@ -24,7 +24,7 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
 from tierckpt.agent.client import Connection, PeerClient, ask_all
-from tierckpt.agent.config import AgentConfig
+from tierckpt.agent.config import USER_SECRET, AgentConfig, user_secret
 from tierckpt.agent.metrics import AgentMetrics
 from tierckpt.agent.prefetch import LoadWaits
 from tierckpt.agent.protect import refresh as refresh_protected
@@ -97,6 +97,8 @@ class Agent:
         self.owner_token = _owner_token(config.memory_dir)
         self.store.gc()
         self.replicator = Replicator(self)
+        # on loopback without a job secret: this user's own (other local users are not trusted)
+        self.secret: bytes = config.secret or user_secret()
         self.peer_server = PeerServer(self, *config.listen)
         self.address = self.peer_server.address
         self.local_server = LocalServer(self, Path(config.memory_dir) / layout.AGENT_SOCKET)
@@ -109,9 +111,9 @@ class Agent:
             _log.warning("[Agent %s] WARNING: --insecure-wire: checkpoint bytes go to and from peers UNENCRYPTED and "
                          "WITHOUT STREAM INTEGRITY; anyone on the network path can read them, and alter them within "
                          "what the item checksums catch. Use it only on a fabric you trust.", self.node_id)
-        if not config.secret and (config.peers or config.replicas):
-            _log.warning("[Agent %s] no job secret: no peer is served or asked, so nothing is replicated or "
-                         "fetched (set $TIERCKPT_AGENT_SECRET or --secret-file on every agent)", self.node_id)
+        if not config.secret:
+            _log.info("[Agent %s] no job secret: peers on this host authenticate with this user's own secret "
+                      "(%s)", self.node_id, USER_SECRET)
 
     def close(self) -> None:
         self._stop.set()
@@ -216,7 +218,7 @@ class Agent:
     # -- peer requests (receiver) -----------------------------------------------------------
     def connect(self, address: tuple[str, int], timeout: float = 30.0) -> PeerClient:
         """An authenticated connection to the agent at ``address``, on this agent's wire."""
-        return PeerClient.connect(address, self.node_id, self.config.secret, timeout=timeout,
+        return PeerClient.connect(address, self.node_id, self.secret, timeout=timeout,
                                   insecure=self.config.insecure_wire)
 
     def handle_peer(self, req: p.Request, conn: Connection, peer: str) -> None:
