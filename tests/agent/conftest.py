@@ -15,6 +15,13 @@ from tierckpt import layout
 from tierckpt.agent import AgentConfig, AgentHandle, start_agent
 
 
+@pytest.fixture(autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent given no secret makes this user's secret file under $HOME (``config.user_secret``):
+    in a test, under a temporary home, never the real one."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
 @pytest.fixture
 def node_dir() -> Iterator[Callable[[str], str]]:
     made: list[str] = []

@@ -1,4 +1,5 @@
-"""Helpers for attacking an agent over its own wire protocol: raw handshakes (either side),
+"""Helpers for attacking an agent over its own wire protocol: raw handshakes (either side, TLS
+included: the attacker holds no secret but may run TLS as well as anyone),
 replica payloads built from a real save, agents in a subprocess with resource limits, and
 the health check every attack ends with (alive, serving bit-for-bit, nothing touched
 outside the root, descriptors/threads/RSS back to baseline)."""
@@ -9,6 +10,7 @@ import hashlib
 import os
 import secrets
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -21,6 +23,7 @@ from typing import Any
 from tests.agent.conftest import wait_for
 from tierckpt import layout
 from tierckpt.agent import protocol as p
+from tierckpt.agent.tls import ServerTLS, client_wrap, peer_end_point
 from tierckpt.agent.wire import Connection
 
 SECRET = b"job-secret-1"
@@ -28,20 +31,61 @@ NS = "agent-run"
 REPO = Path(__file__).resolve().parents[2]
 
 
+def raw_connect(address: tuple[str, int], *, source: str | None = None, timeout: float = 10.0) -> Connection:
+    """A connection to an agent, ready for the handshake's first frame (the server's plaintext hello)."""
+    sock = socket.create_connection(address, timeout=timeout, source_address=(source, 0) if source else None)
+    return Connection(sock, step_timeout=timeout)
+
+
+def client_hello(address: tuple[str, int], *, source: str | None = None, timeout: float = 10.0
+                 ) -> tuple[Connection, dict[str, Any], bytes]:
+    """Connect, read the hello and start TLS as it says: (connection, hello, channel binding for the MACs)."""
+    conn = raw_connect(address, source=source, timeout=timeout)
+    hello = conn.recv()
+    wire = hello.get("wire", "")
+    end_point = b""
+    if wire == "tls13":
+        conn.start_tls(client_wrap)
+        end_point = peer_end_point(conn.sock)  # type: ignore[arg-type]
+    return conn, hello, p.channel_binding(wire, end_point)
+
+
+_FAKE_TLS: list[ServerTLS] = []
+
+
+def fake_tls() -> ServerTLS:
+    """One ephemeral certificate for every fake agent of the test session (made once: it takes a subprocess)."""
+    if not _FAKE_TLS:
+        _FAKE_TLS.append(ServerTLS.create())
+    return _FAKE_TLS[0]
+
+
+def raw_accept(listener: socket.socket, timeout: float = 5.0) -> Connection:
+    """The server side of a fake agent: an accepted connection, ready to send a hello."""
+    s, _ = listener.accept()
+    return Connection(s, step_timeout=timeout)
+
+
+def serve_hello(conn: Connection, node: str, nonce: str, wire: str = "tls13") -> bytes:
+    """A fake agent's hello, then TLS with its own certificate: the channel binding for the MACs."""
+    conn.send({"op": "hello", "node": node, "nonce": nonce, "wire": wire})
+    if wire != "tls13":
+        return p.channel_binding(wire, b"")
+    tls = fake_tls()
+    conn.start_tls(tls.wrap)
+    return p.channel_binding(wire, tls.end_point)
+
+
 def client_handshake(address: tuple[str, int], node: str, secret: bytes = SECRET, *,
                      source: str | None = None, timeout: float = 10.0) -> Connection:
-    """Authenticate to an agent as ``node`` by hand (hello → auth → welcome → proof); the tagged connection."""
-    sock = socket.create_connection(address, timeout=timeout, source_address=(source, 0) if source else None)
-    conn = Connection(sock, step_timeout=timeout)
-    hello = conn.recv()
+    """Authenticate to an agent as ``node`` by hand (hello → TLS → auth → welcome → proof)."""
+    conn, hello, binding = client_hello(address, source=source, timeout=timeout)
     mine = secrets.token_hex(32)
     conn.send({"op": "auth", "node": node, "nonce": mine})
     welcome = conn.recv()
-    ids = (hello["nonce"], mine, hello["node"], node)
+    ids = (hello["nonce"], mine, hello["node"], node, binding)
     p.check_mac(p.server_mac(secret, *ids), welcome.get("mac"))
     conn.send({"op": "proof", "mac": p.client_mac(secret, *ids)})
-    to_client, to_server = p.session_keys(secret, *ids)
-    conn.start_session(to_server, to_client)
     return conn
 
 
@@ -83,8 +127,10 @@ def closed_by_server(sock: socket.socket, timeout: float = 10.0) -> bool:
         return True
     except (ConnectionResetError, BrokenPipeError):
         return True
-    except TimeoutError:
+    except TimeoutError:  # before ssl.SSLError: a TLS read that times out raises it as TimeoutError
         return False
+    except ssl.SSLError:  # ended by a TLS alert
+        return True
     finally:
         sock.close()
 

@@ -1,8 +1,10 @@
-"""Issue 16, authentication (items 13-16): identities bound into the MACs, every frame tagged, no
-unauthenticated listening beyond loopback, everything private from creation.
+"""Issue 16, authentication (items 13-16), on the TLS wire of issue 27: identities and the server's
+certificate bound into the MACs, every byte under TLS, no downgrade, no unauthenticated listening
+beyond loopback, everything private from creation.
 
 The attacks speak the wire protocol by hand (``tests.agent.hostile``); an on-path attacker is a
-relay in the middle that rewrites one byte."""
+relay in the middle that rewrites one byte, replays a TLS record, strips TLS from the hello, or
+terminates TLS on both sides with a certificate of its own."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import argparse
 import os
 import secrets
 import socket
+import ssl
 import stat
 import threading
 from pathlib import Path
@@ -22,11 +25,14 @@ from tests.agent.hostile import (
     SECRET,
     back_to_baseline,
     client_handshake,
+    client_hello,
     closed_by_server,
     get,
     payload,
     proc_stats,
     put,
+    raw_accept,
+    serve_hello,
     serves_bit_for_bit,
 )
 from tests.agent.test_agent import _load, _save
@@ -47,14 +53,13 @@ def test_the_node_id_is_bound_into_the_macs_and_only_the_sender_deletes(node_dir
     _save(a_dir, [1, 2], memory_steps_retained=2)
     b = agent(memory_dir=b_dir, node_id="node-b", secret=SECRET, replicas=0)
     base = proc_stats(os.getpid())
-    sock = socket.create_connection(b.address, timeout=10)
-    conn = Connection(sock)
-    hello = conn.recv()
+    conn, hello, binding = client_hello(b.address)
     mine = secrets.token_hex(32)
     conn.send({"op": "auth", "node": "node-a", "nonce": mine})
     conn.recv()
-    conn.send({"op": "proof", "mac": p.client_mac(SECRET, hello["nonce"], mine, hello["node"], "node-x")})
-    assert closed_by_server(sock)  # the proof was made for node-x, the claim is node-a
+    conn.send({"op": "proof", "mac": p.client_mac(SECRET, hello["nonce"], mine, hello["node"], "node-x", binding)})
+    assert conn.recv()["op"] == "error"  # the proof was made for node-x, the claim is node-a
+    assert closed_by_server(conn.sock)
     owner, impostor = "a1" * 32, "e5" * 32
     legit = client_handshake(b.address, "node-a")
     assert put(legit, "node-a", 1, payload(a_dir, 1), owner=owner, keep=(1,))["op"] == "stored"
@@ -72,11 +77,13 @@ def test_the_node_id_is_bound_into_the_macs_and_only_the_sender_deletes(node_dir
 
 
 class _Relay:
-    """An on-path attacker between a client and the agent: flips one byte of the server's stream
-    at ``flip_at`` (None: relays faithfully)."""
+    """An on-path attacker between a client and the agent. ``flip_down``/``flip_up``: flip one byte of
+    the server's / the client's stream at that offset; ``replay_record``: send the client's n-th
+    TLS application-data record twice (None everywhere: relays faithfully)."""
 
-    def __init__(self, target: tuple[str, int], flip_at: int | None) -> None:
-        self.target, self.flip_at = target, flip_at
+    def __init__(self, target: tuple[str, int], *, flip_down: int | None = None, flip_up: int | None = None,
+                 replay_record: int | None = None) -> None:
+        self.target, self.flip_down, self.flip_up, self.replay = target, flip_down, flip_up, replay_record
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(1)
@@ -86,8 +93,9 @@ class _Relay:
     def _run(self) -> None:
         client, _ = self.sock.accept()
         server = socket.create_connection(self.target)
-        threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-        self._pipe(server, client, self.flip_at)
+        up = self._records if self.replay is not None else self._pipe
+        threading.Thread(target=up, args=(client, server, self.flip_up), daemon=True).start()
+        self._pipe(server, client, self.flip_down)
 
     @staticmethod
     def _pipe(src: socket.socket, dst: socket.socket, flip_at: int | None) -> None:
@@ -102,58 +110,132 @@ class _Relay:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                s.close()
+            _Relay._shut(src, dst)
+
+    def _records(self, src: socket.socket, dst: socket.socket, _: int | None) -> None:
+        """Client → server by TLS record (5-byte header: type, version, length), one replayed."""
+        buf, n = b"", 0
+        try:
+            while chunk := src.recv(1 << 16):
+                buf += chunk
+                while len(buf) >= 5 and len(buf) >= 5 + int.from_bytes(buf[3:5], "big"):
+                    end = 5 + int.from_bytes(buf[3:5], "big")
+                    record, buf = buf[:end], buf[end:]
+                    n += record[0] == 23  # application data (everything after the ClientHello)
+                    dst.sendall(record * (2 if record[0] == 23 and n == self.replay else 1))
+        except OSError:
+            pass
+        finally:
+            _Relay._shut(src, dst)
+
+    @staticmethod
+    def _shut(*socks: socket.socket) -> None:
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
 
     def close(self) -> None:
         self.sock.close()
 
 
-def test_every_frame_is_authenticated_and_the_server_proves_itself_first(node_dir, agent) -> None:
-    """Item 14: a byte rewritten on the path, a bad tag, a replayed frame are all refused; a client
-    checks the server's MAC before it sends its own proof."""
+class _TerminatingRelay:
+    """An attacker without the secret that terminates TLS on both sides (its own certificate to the
+    client) and forwards every frame unchanged: only the channel binding in the MACs stops it."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1)
+        self.address = self.sock.getsockname()
+        self.frames: list[str] = []
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        down = raw_accept(self.sock)
+        try:
+            up, hello, _ = client_hello(self.target)
+            serve_hello(down, hello["node"], hello["nonce"])  # the agent's own hello, our own TLS
+            threading.Thread(target=self._frames, args=(down, up), daemon=True).start()
+            self._frames(up, down)
+        except (OSError, p.ProtocolViolation):
+            down.close()
+
+    def _frames(self, src: Connection, dst: Connection) -> None:
+        try:
+            while True:
+                frame = src.recv()
+                self.frames.append(frame["op"])
+                dst.send(frame)
+        except (OSError, p.ProtocolViolation):
+            pass
+        finally:
+            src.close()
+            dst.close()
+
+
+def test_every_byte_is_under_tls_and_the_server_proves_itself_first(node_dir, agent) -> None:
+    """Item 14 on the TLS wire: a byte rewritten on the path (either way) or a replayed TLS record
+    ends the connection (and the agent counts it); a relay that terminates TLS is refused by the
+    MACs; a hello stripped of TLS is refused by the client; a client checks the server's MAC
+    before it sends its own proof."""
     d = node_dir("a")
     _save(d, [1])
     a = agent(memory_dir=d, node_id="node-a", secret=SECRET, replicas=0)
     base = proc_stats(os.getpid())
-    relay = _Relay(a.address, flip_at=3000)  # past the handshake, inside the data file's bytes
+    relay = _Relay(a.address, flip_down=3000)  # past the handshake, inside the data file's bytes
     conn = client_handshake(relay.address, "node-legit")
-    with pytest.raises(p.ProtocolViolation, match="tag"):
+    with pytest.raises(ssl.SSLError):
         get(conn, "node-a", 1, "__0_0.distcp")
     conn.close()
     relay.close()
-    conn = client_handshake(a.address, "node-legit")
-    frame = p.encode({"op": "list", "ns": NS})
-    conn.sock.sendall(frame + b"\0" * p.TAG)  # a wrong tag
-    assert closed_by_server(conn.sock)
-    conn = client_handshake(a.address, "node-legit")
-    tagged = frame + conn._next_send_tag(frame)
-    conn.sock.sendall(tagged)
-    assert conn.recv()["op"] == "listing"
-    conn.sock.sendall(tagged)  # the same frame again: its sequence number is spent
-    assert closed_by_server(conn.sock)
+    wait_for(lambda: a._agent.metrics.rejected.value() >= 1, "the client's TLS alert counted")
+    rejected = a._agent.metrics.rejected.value()
+    relay = _Relay(a.address, flip_up=400)  # past the ClientHello (225 bytes) and Finished (80), in the auth frame
+    with pytest.raises((PeerError, OSError, p.ProtocolViolation)):
+        client = PeerClient.connect(relay.address, "node-legit", SECRET, timeout=5)
+        client.list(NS)
+    relay.close()
+    wait_for(lambda: a._agent.metrics.rejected.value() == rejected + 1, "the altered record counted")
+    relay = _Relay(a.address, replay_record=4)  # Finished, auth, proof, then the list request: twice
+    client = PeerClient.connect(relay.address, "node-legit", SECRET, timeout=5)
+    client.send({"op": "list", "ns": NS})
+    assert client.recv()["op"] == "listing"  # answered once; the copy fails TLS's sequence numbers
+    assert closed_by_server(client.sock)
+    relay.close()
+    wait_for(lambda: a._agent.metrics.rejected.value() == rejected + 2, "the replayed record counted")
+    mitm = _TerminatingRelay(a.address)
+    with pytest.raises(PeerError, match="authentication"):
+        PeerClient.connect(mitm.address, "node-legit", SECRET, timeout=5)
+    assert "proof" not in mitm.frames  # the client stopped at the agent's welcome
+    mitm.sock.close()
+
     received: list[dict] = []
     impostor = socket.socket()
     impostor.bind(("127.0.0.1", 0))
-    impostor.listen(1)
+    impostor.listen(2)
 
-    def fake_server() -> None:
-        s, _ = impostor.accept()
-        c = Connection(s, step_timeout=5)
-        c.send({"op": "hello", "node": "node-f", "nonce": "ab" * 32})
-        received.append(c.recv())
-        c.send({"op": "welcome", "node": "node-f", "mac": "00" * 32})  # does not know the secret
+    def fake_server(wire: str) -> None:
+        c = raw_accept(impostor)
         try:
+            serve_hello(c, "node-f", "ab" * 32, wire)
+            received.append(c.recv())
+            c.send({"op": "welcome", "node": "node-f", "mac": "00" * 32})  # does not know the secret
             received.append(c.recv())
         except (p.ProtocolViolation, OSError):
             pass
         c.close()
 
-    t = threading.Thread(target=fake_server, daemon=True)
+    t = threading.Thread(target=fake_server, args=("insecure",), daemon=True)
+    t.start()
+    with pytest.raises(PeerError, match="wire"):  # TLS stripped from the hello: the client does not follow
+        PeerClient.connect(impostor.getsockname(), "node-legit", SECRET, timeout=5)
+    t.join(10)
+    assert received == []
+    t = threading.Thread(target=fake_server, args=("tls13",), daemon=True)
     t.start()
     with pytest.raises(PeerError, match="authentication"):
         PeerClient.connect(impostor.getsockname(), "node-legit", SECRET, timeout=5)

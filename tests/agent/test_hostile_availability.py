@@ -150,7 +150,7 @@ def test_deep_json_is_a_protocol_error_and_idle_local_clients_are_closed(node_di
     conn = client_handshake(a.address, "node-x")
     body = b"[" * 200_000 + b"]" * 200_000
     frame = p.HEADER.pack(p.MAGIC, len(body)) + body
-    conn.sock.sendall(frame + conn._next_send_tag(frame))
+    conn.sock.sendall(frame)
     reply = conn.recv()
     assert reply["op"] == "error" and "nests" in reply["message"]
     assert closed_by_server(conn.sock)

@@ -60,15 +60,21 @@ def test_valid_requests_parse() -> None:
     assert isinstance(put, p.Put) and put.nbytes == 13 and put.keep == frozenset({1, 2})
 
 
-def test_macs_bind_both_nonces_and_the_secret() -> None:
+def test_macs_bind_both_nonces_the_secret_and_the_channel() -> None:
     a, b = "ab" * 32, "cd" * 32
-    assert p.client_mac(b"s", a, b, "n1", "n2") != p.client_mac(b"t", a, b, "n1", "n2")
-    assert p.client_mac(b"s", a, b, "n1", "n2") != p.server_mac(b"s", a, b, "n1", "n2")
-    assert p.client_mac(b"s", a, b, "n1", "n2") != p.client_mac(b"s", a, b, "n1", "n3")  # the node ids count
-    assert p.client_mac(b"s", a, b, "n1", "n2") != p.client_mac(b"s", b, a, "n1", "n2")
-    assert p.session_keys(b"s", a, b, "n1", "n2") != p.session_keys(b"s", a, b, "n1", "n3")
+    tls = p.channel_binding("tls13", b"\x01" * 32)
+    mac = p.client_mac(b"s", a, b, "n1", "n2", tls)
+    assert mac != p.client_mac(b"t", a, b, "n1", "n2", tls)
+    assert mac != p.server_mac(b"s", a, b, "n1", "n2", tls)
+    assert mac != p.client_mac(b"s", a, b, "n1", "n3", tls)  # the node ids count
+    assert mac != p.client_mac(b"s", b, a, "n1", "n2", tls)
+    assert mac != p.client_mac(b"s", a, b, "n1", "n2", p.channel_binding("tls13", b"\x02" * 32))  # the certificate
+    assert mac != p.client_mac(b"s", a, b, "n1", "n2", p.channel_binding("insecure", b""))  # the wire
     with pytest.raises(p.ProtocolViolation, match="authentication"):
-        p.check_mac(p.client_mac(b"s", a, b, "n1", "n2"), p.client_mac(b"t", a, b, "n1", "n2"))
+        p.check_mac(mac, p.client_mac(b"t", a, b, "n1", "n2", tls))
+    for bad in ("\u00e9" * 64, None, 7, b"ab" * 32):
+        with pytest.raises(p.ProtocolViolation, match="authentication"):
+            p.check_mac(mac, bad)
 
 
 def test_ring_gives_every_node_k_other_holders() -> None:

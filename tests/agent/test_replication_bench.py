@@ -21,13 +21,13 @@ def test_bench_replication_reports_every_figure(tmp_path: Path, capsys: pytest.C
     captured = capsys.readouterr()
     text = captured.out
     assert rc == 0, captured.out + captured.err
-    for line in ("replication to a peer agent", "plain socket copy", "goal >= 0.8", "restore from a peer replica",
+    for line in ("replication to a peer agent", "plain socket copy", "goal >= 0.9", "--insecure-wire", "restore from a peer replica",
                  "restore from durable file://", "restore from S3 (SeaweedFS)", "goal >= 5",
                  "save blocking, no agent", "save blocking, agents on", "<= 1.1"):
         assert line in text, line
     doc = json.loads(out_json.read_text())
     assert doc["bytes"] >= 4 << 20
-    assert set(doc["median_s"]) == {"replication_s", "socket_copy_s", "restore_peer_s", "peer_fetch_s",
+    assert set(doc["median_s"]) == {"replication_s", "replication_insecure_s", "socket_copy_s", "restore_peer_s", "peer_fetch_s",
                                     "restore_durable_s", "restore_s3_s"}
     assert all(v > 0 for v in doc["median_s"].values())
     assert doc["restore_peer_vs_s3"] > 0 and doc["blocking"]["saves"] == 1

@@ -3,9 +3,11 @@
     tierckpt agent serve [--memory-dir DIR] [--listen HOST:PORT] [--peers H:P,...] [--node-id ID]
                          [--replicas K] [--secret-file F] [--memory-budget 40%|BYTES]
                          [--durable-url URL] [--metrics-port N] [--address-file F] [--fetch-streams N]
+                         [--insecure-wire]
     tierckpt agent status [--memory-dir DIR] [--json]
     tierckpt agent flush  [--memory-dir DIR] [--namespace NS]
-The secret comes from --secret-file, else $TIERCKPT_AGENT_SECRET; without one, loopback only.
+The secret comes from --secret-file, else $TIERCKPT_AGENT_SECRET; without one, loopback only, with
+this user's own secret (~/.config/tierckpt/agent-secret, 0600: other local users cannot connect). Peers talk TLS 1.3 unless --insecure-wire (a fabric the user trusts).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
     s.add_argument("--address-file", help="write the bound HOST:PORT here once listening")
     s.add_argument("--scan-interval", type=float, default=1.0)
+    s.add_argument("--insecure-wire", action="store_true",
+                   help="peers talk without TLS (no encryption, no stream integrity): only on a fabric you trust; "
+                        "every agent of the job must agree")
     s.add_argument("--fetch-streams", type=int, default=4,
                    help="connections one large file's fetch for a load uses at once (parts >= 64 MiB)")
     for name, text in (("status", "what the node's agent holds and where its replicas are"),
@@ -57,6 +62,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
     budget = parse_budget(args.memory_budget, node_ram_bytes()) if args.memory_budget else None
     return AgentConfig(memory_dir=os.path.abspath(args.memory_dir), listen=parse_address(args.listen), peers=peers,
                        node_id=args.node_id, replicas=args.replicas, secret=read_secret(args.secret_file),
+                       insecure_wire=args.insecure_wire,
                        budget_bytes=budget, durable_url=args.durable_url, scan_interval_s=args.scan_interval,
                        metrics_port=args.metrics_port, fetch_streams=args.fetch_streams)
 

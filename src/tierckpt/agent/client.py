@@ -1,8 +1,9 @@
 """The client side of a peer connection, over ``wire.Connection``.
 
-Call order: ``PeerClient.connect(addr, node_id, secret)`` (hello → auth → welcome, the server's
-MAC checked → proof; then every frame tagged) → ``list`` / ``get_into`` / ``put`` / ``status``,
-one at a time → ``close``. ``connect``'s ``timeout`` bounds the whole handshake.
+Call order: ``PeerClient.connect(addr, node_id, secret)`` (the plaintext hello, its wire checked
+against ours → TLS 1.3 → auth → welcome, the server's MAC over the certificate we saw checked
+→ proof) → ``list`` / ``get_into`` / ``put`` / ``status``, one at a time → ``close``.
+``connect``'s ``timeout`` bounds the whole handshake.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from tierckpt.agent import protocol as p
+from tierckpt.agent.tls import client_wrap, peer_end_point
 from tierckpt.agent.transfer import StreamCheck
-from tierckpt.agent.wire import Connection, DigestCache
+from tierckpt.agent.wire import Connection
 from tierckpt.errors import IntegrityError, TierckptError
 
 __all__ = ["Connection", "PeerClient", "PeerError", "ask_all"]  # Connection: from wire
@@ -39,7 +41,11 @@ class PeerClient(Connection):
 
     @classmethod
     def connect(cls, address: tuple[str, int], node_id: str, secret: bytes | None, *,
-                timeout: float = 30.0, source: tuple[str, int] | None = None) -> PeerClient:
+                timeout: float = 30.0, source: tuple[str, int] | None = None, insecure: bool = False) -> PeerClient:
+        """``insecure``: this agent runs the insecure wire (``AgentConfig.insecure_wire``), and so must the peer."""
+        if not secret:
+            raise PeerError(f"no job secret, so no peer connection (to {address[0]}:{address[1]}): start every agent "
+                            "with the same --secret-file or $TIERCKPT_AGENT_SECRET")
         try:
             sock = socket.create_connection(address, timeout=timeout, source_address=source)
         except OSError as exc:
@@ -48,9 +54,9 @@ class PeerClient(Connection):
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             client.set_deadline(timeout)
-            client.node = client._handshake(node_id, secret or b"")
+            client.node = client._handshake(node_id, secret, "insecure" if insecure else "tls13")
             client.set_deadline(None)
-        except (OSError, p.ProtocolViolation) as exc:
+        except (OSError, p.ProtocolViolation) as exc:  # ssl.SSLError is an OSError
             client.close()
             raise PeerError(f"handshake with agent {address[0]}:{address[1]} failed: {exc}") from exc
         except PeerError:
@@ -58,22 +64,27 @@ class PeerClient(Connection):
             raise
         return client
 
-    def _handshake(self, node_id: str, key: bytes) -> str:
+    def _handshake(self, node_id: str, key: bytes, wire: str) -> str:
         hello = self.recv()
         if hello.get("op") != "hello":
             raise PeerError(f"agent refused us: {hello.get('message', hello.get('op'))}")
         server_node = p.validate_node_id(hello.get("node"))
         server_nonce = p.validate_nonce(hello.get("nonce"))
+        if hello.get("wire") != wire:  # never follow a peer (or someone on the path) to a weaker wire
+            raise PeerError(f"agent {server_node} runs the {str(hello.get('wire'))[:16]!r} wire, this one {wire!r}: "
+                            "start every agent of the job with --insecure-wire, or none")
+        end_point = b""
+        if wire == "tls13":
+            self.start_tls(client_wrap)
+            end_point = peer_end_point(self.sock)  # type: ignore[arg-type]  # an SSLSocket now
         mine = secrets.token_hex(32)
         self.send({"op": "auth", "node": node_id, "nonce": mine})
         welcome = self.recv()
         if welcome.get("op") != "welcome":
             raise PeerError(f"agent {server_node} refused us: {welcome.get('message', welcome.get('op'))}")
-        ids = (server_nonce, mine, server_node, node_id)
+        ids = (server_nonce, mine, server_node, node_id, p.channel_binding(wire, end_point))
         p.check_mac(p.server_mac(key, *ids), welcome.get("mac"))  # the server proves itself first
         self.send({"op": "proof", "mac": p.client_mac(key, *ids)})
-        to_client, to_server = p.session_keys(key, *ids)
-        self.start_session(to_server, to_client)
         return server_node
 
     def call(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -143,7 +154,7 @@ class PeerClient(Connection):
         self.recv_into_file(fd, length, check, at=offset)
 
     def put(self, namespace: str, origin: str, step: int, save_id: str, files: Sequence[tuple[str, Path | bytes]],
-            keep: Sequence[int], owner: str, digests: DigestCache | None = None) -> None:
+            keep: Sequence[int], owner: str) -> None:
         """Send a step's files (paths mapped and sent with sendfile, bytes as they are); returns once
         stored, or when the peer already holds this save."""
         sizes = [(n, src.stat().st_size if isinstance(src, Path) else len(src)) for n, src in files]
@@ -153,13 +164,13 @@ class PeerClient(Connection):
             return
         if reply.get("op") != "ready":
             raise PeerError(f"agent {self.node} did not accept step {step}: {reply.get('op')}")
-        for (name, src), (_, size) in zip(files, sizes, strict=True):
+        for (_, src), (_, size) in zip(files, sizes, strict=True):
             if isinstance(src, Path):
                 fd = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
                 try:
                     if os.fstat(fd).st_size != size:
                         raise PeerError(f"{src} changed size while being sent")
-                    self.send_fd(fd, 0, size, digests=digests, identity=(origin, namespace, str(step), save_id, name))
+                    self.send_fd(fd, 0, size)
                 finally:
                     os.close(fd)
             else:

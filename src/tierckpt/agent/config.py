@@ -13,7 +13,8 @@ from pathlib import Path
 from tierckpt.config import DEFAULT_MEMORY_DIR, DurableLocation
 from tierckpt.errors import ConfigError
 
-__all__ = ["AgentConfig", "AgentLimits", "default_node_id", "parse_address", "parse_budget", "read_secret"]
+__all__ = ["AgentConfig", "AgentLimits", "default_node_id", "parse_address", "parse_budget", "read_secret",
+           "user_secret"]
 
 _NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 SECRET_ENV = "TIERCKPT_AGENT_SECRET"
@@ -69,6 +70,41 @@ def read_secret(secret_file: str | None, environ: dict[str, str] | None = None) 
     env = os.environ if environ is None else environ
     value = env.get(SECRET_ENV, "")
     return value.encode() if value else None
+
+
+USER_SECRET = "~/.config/tierckpt/agent-secret"
+
+
+def user_secret(path: str = USER_SECRET) -> bytes:
+    """This user's secret for agents on loopback that were given none: 32 random bytes (hex) in a
+    0600 file in a 0700 directory, made on first use. Other local users cannot read it, so they
+    cannot talk to these agents; this user's agents (every node of a job on one host) share it.
+    A file that others could read, or that another user owns, is refused."""
+    import secrets
+
+    full = os.path.expanduser(path)
+    try:
+        os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+        try:
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32) + "\n")
+        fd = os.open(full, os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            raw = f.read().strip()
+    except OSError as exc:
+        raise ConfigError(f"no job secret given and this user's agent secret {full} cannot be used: {exc.strerror}; "
+                          f"set {SECRET_ENV} or pass --secret-file") from None
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ConfigError(f"{full} must belong to this user with mode 0600 (it is {oct(st.st_mode & 0o777)}, "
+                          f"uid {st.st_uid}); fix it or set {SECRET_ENV}")
+    if len(raw) < 32:  # a concurrent first use may still be writing it
+        raise ConfigError(f"{full} holds no secret (empty or truncated): remove it, or set {SECRET_ENV}")
+    return raw
 
 
 def _loopback(host: str) -> bool:
@@ -131,7 +167,11 @@ class AgentConfig:
     peers          other agents' (host, port); the ring is built over the node ids they report
     node_id        this node's stable identity (default: host + memory root)
     replicas       how many other nodes receive a copy of this node's newest step (0 = none)
-    secret         the job secret; None → only a loopback ``listen`` is allowed
+    secret         the job secret; None → only a loopback ``listen`` is allowed, and the agent uses
+                   this user's own secret file (``user_secret``: other local users cannot read it)
+    insecure_wire  peers talk without TLS: no encryption, no integrity beyond the item checksums
+                   (the handshake's MACs still authenticate each peer). Only for a fabric whose
+                   every host and switch the user trusts; every agent of the job must agree.
     budget_bytes   node-wide cap on the memory tier (every namespace, replicas included); None = none
     durable_url    where the agent drains steps on ``flush`` (None: flush is a no-op)
     scan_interval_s  how often the agent rescans the memory root (notifications make it sooner)
@@ -147,6 +187,7 @@ class AgentConfig:
     node_id: str = ""
     replicas: int = 1
     secret: bytes | None = field(default=None, repr=False)
+    insecure_wire: bool = False
     budget_bytes: int | None = None
     durable_url: str | None = None
     scan_interval_s: float = 1.0
@@ -169,6 +210,8 @@ class AgentConfig:
                 f"listening on {self.listen[0]} needs a job secret: set {SECRET_ENV} or pass --secret-file "
                 "(without one the agent listens on loopback only)"
             )
+        if not isinstance(self.insecure_wire, bool):
+            raise ConfigError(f"insecure_wire must be True or False, got {self.insecure_wire!r}")
         if self.budget_bytes is not None and self.budget_bytes < 1:
             raise ConfigError("budget_bytes must be at least 1")
         if self.durable_url is not None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
-from tierckpt.agent.client import PeerClient, PeerError, ask_all
+from tierckpt.agent.client import PeerError, ask_all
 from tierckpt.agent.server import reply_error
 from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
 from tierckpt.errors import IntegrityError, StorageError, TierckptError
@@ -114,7 +114,7 @@ def holders(agent: Agent, ns: str) -> dict[int, set[str]]:
     deadline = agent.config.limits.peer_deadline_s
 
     def listing(addr: tuple[str, int]) -> tuple[str, list[p.ListingEntry]]:
-        client = PeerClient.connect(addr, agent.node_id, agent.config.secret, timeout=deadline)
+        client = agent.connect(addr, timeout=deadline)
         try:
             client.set_deadline(deadline)
             entries, dropped = client.list_entries(ns)
@@ -221,7 +221,7 @@ def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
     if check is not None and agent.config.fetch_streams > 1 and size >= 2 * agent.config.fetch_part_bytes:
         _get_parallel(agent, h, ns, step, name, dest, size, check.records, where)
         return
-    client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
+    client = agent.connect(h.address)
     try:
         client.set_deadline(agent.config.limits.bulk_s(size))
         client.get_into(ns, h.origin, step, name, dest, expect_size=size, check=check)
@@ -248,7 +248,7 @@ def _get_parallel(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: 
 
         def one(part: tuple[int, int, list[layout.ItemRecord]]) -> None:
             offset, length, recs = part
-            client = PeerClient.connect(address, agent.node_id, agent.config.secret)
+            client = agent.connect(address)
             try:
                 client.set_deadline(agent.config.limits.bulk_s(length))
                 client.get_range_into(ns, h.origin, step, name, fd, offset, length,
@@ -282,7 +282,7 @@ def _get(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path) -> 
         finally:
             os.close(src)
         return
-    client = PeerClient.connect(h.address, agent.node_id, agent.config.secret)
+    client = agent.connect(h.address)
     try:
         client.get_into(ns, h.origin, step, name, dest, max_size=p.MAX_SMALL if name in p.SMALL_FILES else p.MAX_FILE)
     finally:

@@ -27,5 +27,7 @@ class AgentMetrics:
         self.fetch_seconds = r.counter("tierckpt_agent_fetch_seconds_total", "Seconds spent fetching files for loads")
         self.evictions = r.counter("tierckpt_agent_evictions_total", "Copies evicted by the node budget", ("kind",))
         self.rejected = r.counter("tierckpt_agent_rejected_connections_total", "Peer connections closed for a protocol violation")
+        self.insecure_wire = r.gauge("tierckpt_agent_insecure_wire",
+                                     "1 when peers talk without TLS (--insecure-wire), else 0")
         self.drain_lag = r.gauge("tierckpt_agent_drain_lag_steps",
                                  "Committed memory steps newer than the newest durable step, all namespaces")

@@ -1,18 +1,21 @@
 """The agent's peer protocol, sans I/O: framing, the handshake's MACs, request validation.
 
-A connection between two agents (TCP) is a sequence of frames; bulk bytes follow a frame
-that announced their sizes, in segments:
+A connection between two agents (TCP) starts with one plaintext frame; then, unless both run
+with the insecure wire, TLS 1.3 (``agent.tls``) carries everything else:
 
-    frame   = MAGIC (4 bytes, b"TCK1") + body length (uint32, big-endian) + body (JSON object)
-              [+ tag (32 bytes) once the session keys exist]
-    server → hello   {op, node, nonce}
+    frame   = MAGIC (4 bytes, b"TCK2") + body length (uint32, big-endian) + body (JSON object)
+    server → hello   {op, node, nonce, wire}   (plaintext; wire is "tls13" or "insecure": a client
+                                                 whose own wire differs refuses, so nobody on the
+                                                 path can strip TLS)
+    [TLS 1.3 handshake: the client accepts the agent's ephemeral self-signed certificate]
     client → auth    {op, node, nonce}
-    server → welcome {op, node, mac}    mac = HMAC(secret, "s" | nonces | server node | client node)
-    client → proof   {op, mac}          mac = HMAC(secret, "c" | nonces | server node | client node),
-                                        sent only after the client checked the server's MAC
-    from here every frame carries tag = HMAC(direction key, sequence number | frame), the keys
-    derived from the secret, both nonces and both node ids (``session_keys``); bulk bytes go
-    in segments of at most ``SEGMENT`` bytes, each followed by its own tag.
+    server → welcome {op, node, mac}    mac = HMAC(secret, "s" | transcript)
+    client → proof   {op, mac}          mac = HMAC(secret, "c" | transcript), sent only after the
+                                        client checked the server's MAC
+    transcript = both nonces, both node ids, the wire, and the SHA-256 of the server's TLS
+    certificate as the client saw it (RFC 5929 tls-server-end-point): a relay that terminates
+    TLS shows its own certificate, so the MACs differ and neither side goes on.
+    bulk bytes go in segments of at most ``SEGMENT`` bytes, each preceded by one byte (``wire``).
     requests, one at a time:
       list {ns}         → listing {steps: [...], more} ...  (several frames until more is false;
                           an entry's ``held``/``all`` may be split across frames: merge by key)
@@ -21,6 +24,9 @@ that announced their sizes, in segments:
                         → ready {} | held {} | error; after ready: the files' bytes in order
                         → stored {} | error {message}
       status {}         → status {...}
+
+An agent without a job secret listens on loopback only and uses this user's own secret
+(``config.user_secret``), so the empty key never authenticates anyone.
 
 Every value that names storage is validated here (namespace and node id regexes, whole
 numbers, file names from a fixed pattern), so no path ever comes from the wire. A frame
@@ -52,10 +58,11 @@ __all__ = [
     "ListSteps",
     "ListingEntry",
     "SEGMENT",
-    "TAG",
+    "WIRES",
     "ProtocolViolation",
     "Put",
     "Status",
+    "channel_binding",
     "client_mac",
     "decode_body",
     "encode",
@@ -63,14 +70,13 @@ __all__ = [
     "parse_listing_entry",
     "parse_request",
     "server_mac",
-    "session_keys",
     "too_deep",
     "validate_file_name",
     "validate_node_id",
     "validate_save_id",
 ]
 
-MAGIC = b"TCK1"
+MAGIC = b"TCK2"  # 2: TLS 1.3 under the frames, segment markers instead of tags
 HEADER = struct.Struct("!4sI")
 MAX_BODY = 1 << 20
 MAX_FILE = 1 << 40
@@ -78,8 +84,8 @@ SMALL_FILES = (layout.METADATA, layout.MANIFEST, layout.MARKER)  # a step's seal
 MAX_SMALL = 64 << 20  # most bytes one of them may have
 MAX_FILES = 4096
 MAX_DEPTH = 16  # no agent message nests deeper than 4
-SEGMENT = 8 << 20  # bulk bytes per tag
-TAG = 32
+SEGMENT = 8 << 20  # bulk bytes per segment marker
+WIRES = ("tls13", "insecure")
 _NODE_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
 _FILE_RE = re.compile(r"__[0-9]{1,9}_[0-9]{1,9}\.distcp|\.metadata|manifest\.json|COMMITTED")
 _NONCE_RE = re.compile(r"[0-9a-f]{64}")
@@ -139,34 +145,34 @@ def too_deep(raw: bytes) -> bool:
 
 
 # -- handshake ---------------------------------------------------------------------
-def _transcript(server_nonce: str, client_nonce: str, server_node: str, client_node: str) -> bytes:
+def _transcript(server_nonce: str, client_nonce: str, server_node: str, client_node: str, binding: bytes) -> bytes:
     return b"\0".join((bytes.fromhex(server_nonce), bytes.fromhex(client_nonce), server_node.encode(),
-                       client_node.encode()))
+                       client_node.encode(), binding))
 
 
-def client_mac(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str) -> str:
-    """The client's proof: binds the secret, both nonces and both node ids."""
-    data = b"c" + _transcript(server_nonce, client_nonce, server_node, client_node)
+def channel_binding(wire: str, end_point: bytes) -> bytes:
+    """What the MACs bind besides nonces and ids: the wire, and the server certificate's SHA-256."""
+    return wire.encode() + b":" + end_point
+
+
+def client_mac(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str,
+               binding: bytes) -> str:
+    """The client's proof: binds the secret, both nonces, both node ids and the channel (``channel_binding``)."""
+    data = b"c" + _transcript(server_nonce, client_nonce, server_node, client_node, binding)
     return hmac.new(secret, data, hashlib.sha256).hexdigest()
 
 
-def server_mac(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str) -> str:
+def server_mac(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str,
+               binding: bytes) -> str:
     """The server's proof, sent (and checked by the client) before the client's."""
-    data = b"s" + _transcript(server_nonce, client_nonce, server_node, client_node)
+    data = b"s" + _transcript(server_nonce, client_nonce, server_node, client_node, binding)
     return hmac.new(secret, data, hashlib.sha256).hexdigest()
-
-
-def session_keys(secret: bytes, server_nonce: str, client_nonce: str, server_node: str, client_node: str
-                 ) -> tuple[bytes, bytes]:
-    """(server→client key, client→server key) for the per-frame tags of one connection."""
-    base = hmac.new(secret, b"k" + _transcript(server_nonce, client_nonce, server_node, client_node),
-                    hashlib.sha256).digest()
-    return (hmac.new(base, b"server-to-client", hashlib.sha256).digest(),
-            hmac.new(base, b"client-to-server", hashlib.sha256).digest())
 
 
 def check_mac(expected: str, got: object) -> None:
-    if not isinstance(got, str) or not hmac.compare_digest(expected, got):
+    """ProtocolViolation unless ``got`` is the expected MAC; any other value (not a string, not
+    ASCII: ``compare_digest`` raises TypeError on those) is just as wrong."""
+    if not isinstance(got, str) or not got.isascii() or not hmac.compare_digest(expected, got):
         raise ProtocolViolation("authentication failed (wrong or missing job secret)")
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tierckpt import layout
 from tierckpt.agent import protocol as p
-from tierckpt.agent.client import PeerClient, PeerError
+from tierckpt.agent.client import PeerError
 from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.errors import TierckptError
 from tierckpt.observability import get_logger, throughput
@@ -123,11 +123,10 @@ class Replicator:
         nbytes = sum(src.stat().st_size if isinstance(src, Path) else len(src) for _, src in files)
         t0 = time.perf_counter()
         try:
-            client = PeerClient.connect(addr, agent.node_id, agent.config.secret,
-                                        timeout=agent.config.limits.handshake_s)
+            client = agent.connect(addr, timeout=agent.config.limits.handshake_s)
             try:
                 client.set_deadline(agent.config.limits.bulk_s(nbytes))
-                client.put(ns, agent.node_id, step, save_id, files, keep, agent.owner_token, agent.digests)
+                client.put(ns, agent.node_id, step, save_id, files, keep, agent.owner_token)
             finally:
                 client.close()
         except (PeerError, p.ProtocolViolation, OSError) as exc:

@@ -3,7 +3,8 @@
 Call order (in a peer connection's thread, after ``parse_request``): ``serve_list(agent, req, conn)``
 or ``serve_get(agent, req, conn)``. A ``get`` opens the file without following any link,
 checks the step's seal (and ``.metadata``'s checksum) before answering, then checks each
-item of a data file as its bytes are mapped for sending: a copy that fails is refused,
+item of a data file as its bytes are mapped for sending: a copy that fails is refused (in
+the middle of a file: the bad segment is replaced by an integrity error, ``wire.abort_bulk``),
 and a replica that fails is quarantined (``NodeStore.quarantine``) so nobody is offered
 it again. Nothing is created before the file is found; an own step's data file is pinned
 (hard link in ``.pins``) for the send only, which the request's deadline bounds.
@@ -125,11 +126,9 @@ def _send_checked(agent: Agent, req: p.Get, kind: str, conn: Connection, fd: int
     conn.set_deadline(agent.config.limits.bulk_s(length))
     conn.send({"op": "file", "size": length})
     try:
-        conn.send_fd(fd, req.offset, length, check, agent.digests,
-                     identity=(req.origin, req.namespace, str(req.step), mf.save_id, req.name))
-    except IntegrityError as exc:
+        conn.send_fd(fd, req.offset, length, check)
+    except IntegrityError as exc:  # the requester was told instead of the bad segment (wire.abort_bulk)
         _quarantine(agent, req, kind, str(exc))
-        raise p.ProtocolViolation(f"stopped serving {where}: {exc}") from None  # the last tag never went out
 
 
 def _range_check(mf: layout.Manifest, name: str, size: int, offset: int, length: int, where: str

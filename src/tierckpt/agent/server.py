@@ -1,11 +1,13 @@
-"""The agent's two listeners: TCP for peers (authenticated) and a Unix socket for this node's trainers.
+"""The agent's two listeners: TCP for peers (TLS 1.3, authenticated) and a Unix socket for this node's trainers.
 
 Each connection runs in its own daemon thread, at most ``limits.max_connections`` of them
 (``max_per_address`` from one address); more are closed on accept. A peer connection is:
-hello → auth → welcome → proof within ``handshake_s``, then requests until the peer closes,
-each within its own deadline; anything that breaks the protocol (garbage, a bad MAC or tag,
-a truncated frame, a path-like name, an oversize length, a deadline) closes that connection
-only. The accept loop outlives a failed ``accept`` (EMFILE at the descriptor limit) or a
+hello → TLS (unless the insecure wire) → auth → welcome → proof within ``handshake_s``, then
+requests until the peer closes: each waits at most ``idle_s`` for its first byte, then has
+``request_s`` for the rest of its frame and the answer (bulk bytes: ``bulk_s``). Anything
+that breaks the protocol (garbage, a failed TLS record or handshake, a bad MAC, a truncated
+frame, a path-like name, an oversize length, a deadline) is counted, answered with an
+``error`` frame where the stream still allows one, and closes that connection only. The accept loop outlives a failed ``accept`` (EMFILE at the descriptor limit) or a
 thread that cannot start: it logs once, backs off briefly and goes on. A local connection
 carries one JSON line and gets one JSON line back.
 """
@@ -18,6 +20,7 @@ import os
 import secrets
 import socket
 import socketserver
+import ssl
 import tempfile
 import threading
 import time
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tierckpt.agent import protocol as p
+from tierckpt.agent.tls import ServerTLS
 from tierckpt.agent.wire import Connection
 from tierckpt.observability import get_logger
 from tierckpt.unixsock import short_path
@@ -46,6 +50,8 @@ class PeerServer:
     def __init__(self, agent: Agent, host: str, port: int) -> None:
         self.agent = agent
         self.limits = agent.config.limits
+        self.wire = "insecure" if agent.config.insecure_wire else "tls13"
+        self.tls = None if agent.config.insecure_wire else ServerTLS.create()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -54,6 +60,7 @@ class PeerServer:
         self.sock.settimeout(0.5)  # close() is noticed without a connection arriving
         self.address: tuple[str, int] = (host, int(self.sock.getsockname()[1]))
         self._conns: dict[socket.socket, str] = {}
+        self._live: dict[socket.socket, Connection] = {}  # the TLS socket replaces the accepted one
         self._per_address: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._closed = False
@@ -122,49 +129,60 @@ class PeerServer:
 
     def _serve(self, sock: socket.socket) -> None:
         conn = Connection(sock, step_timeout=self.limits.idle_s)
+        with self._lock:
+            self._live[sock] = conn
         try:
             conn.set_deadline(self.limits.handshake_s)
             peer = self._handshake(conn)
             while not self._closed:
-                conn.set_deadline(self.limits.idle_s)
+                conn.set_deadline(None)
+                if not conn.wait_readable(self.limits.idle_s):
+                    raise p.ProtocolViolation(f"closed after {self.limits.idle_s:g}s idle")
+                conn.set_deadline(self.limits.request_s)  # the whole frame, then the answer
                 try:
                     body = conn.recv()
                 except p.ProtocolViolation as exc:
                     if "after 0 of" in str(exc):
                         return  # the peer closed between requests
                     raise
-                conn.set_deadline(self.limits.request_s)
                 self.agent.handle_peer(p.parse_request(body), conn, peer)
-        except p.ProtocolViolation as exc:
+        except (p.ProtocolViolation, TimeoutError, ssl.SSLError) as exc:
             self.agent.metrics.rejected.inc()
-            _log.warning("[Agent %s] closed a peer connection: %s", self.agent.node_id, exc)
+            message = (str(exc) if isinstance(exc, p.ProtocolViolation) else f"TLS failed: {exc}"
+                       if isinstance(exc, ssl.SSLError) else f"ran past its deadline ({exc})")
+            _log.warning("[Agent %s] closed a peer connection: %s", self.agent.node_id, message)
             try:
                 conn.set_deadline(1.0)
-                conn.send({"op": "error", "message": str(exc)[:500]})
+                conn.send({"op": "error", "message": message[:500]})
             except (OSError, p.ProtocolViolation):
                 pass
         except OSError as exc:
             _log.info("[Agent %s] peer connection ended: %s", self.agent.node_id, exc)
         finally:
+            with self._lock:
+                self._live.pop(sock, None)
+            conn.close()
             self._drop(sock)
 
     def _handshake(self, conn: Connection) -> str:
         nonce = secrets.token_hex(32)
         me = self.agent.node_id
-        conn.send({"op": "hello", "node": me, "nonce": nonce})
+        conn.send({"op": "hello", "node": me, "nonce": nonce, "wire": self.wire})
+        end_point = b""
+        if self.tls is not None:
+            conn.start_tls(self.tls.wrap)
+            end_point = self.tls.end_point
         auth = conn.recv()
         if auth.get("op") != "auth":
             raise p.ProtocolViolation("expected auth")
         peer = p.validate_node_id(auth.get("node"))
-        ids = (nonce, p.validate_nonce(auth.get("nonce")), me, peer)
-        key = self.agent.config.secret or b""
+        ids = (nonce, p.validate_nonce(auth.get("nonce")), me, peer, p.channel_binding(self.wire, end_point))
+        key = self.agent.secret
         conn.send({"op": "welcome", "node": me, "mac": p.server_mac(key, *ids)})
         proof = conn.recv()
         if proof.get("op") != "proof":
             raise p.ProtocolViolation("expected proof")
         p.check_mac(p.client_mac(key, *ids), proof.get("mac"))
-        to_client, to_server = p.session_keys(key, *ids)
-        conn.start_session(to_client, to_server)
         return peer
 
     def close(self) -> None:
@@ -172,8 +190,9 @@ class PeerServer:
         self.sock.close()
         with self._lock:
             for s in list(self._conns):
+                live = self._live.get(s)
                 try:
-                    s.shutdown(socket.SHUT_RDWR)
+                    (s if live is None else live.sock).shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
         self._thread.join(timeout=5)

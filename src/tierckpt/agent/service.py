@@ -24,7 +24,7 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
 from tierckpt.agent.client import Connection, PeerClient, ask_all
-from tierckpt.agent.config import AgentConfig
+from tierckpt.agent.config import USER_SECRET, AgentConfig, user_secret
 from tierckpt.agent.metrics import AgentMetrics
 from tierckpt.agent.prefetch import LoadWaits
 from tierckpt.agent.protect import refresh as refresh_protected
@@ -33,7 +33,6 @@ from tierckpt.agent.replicate import Replicator
 from tierckpt.agent.serve import serve_get, serve_list
 from tierckpt.agent.server import LocalServer, PeerServer
 from tierckpt.agent.store import Held, NodeStore, select_evictions
-from tierckpt.agent.wire import DigestCache
 from tierckpt.observability import get_logger
 
 __all__ = ["Agent", "ring_targets"]
@@ -98,7 +97,8 @@ class Agent:
         self.owner_token = _owner_token(config.memory_dir)
         self.store.gc()
         self.replicator = Replicator(self)
-        self.digests = DigestCache()  # SHA-256 of segments already sent (see wire.Connection.send_fd)
+        # on loopback without a job secret: this user's own (other local users are not trusted)
+        self.secret: bytes = config.secret or user_secret()
         self.peer_server = PeerServer(self, *config.listen)
         self.address = self.peer_server.address
         self.local_server = LocalServer(self, Path(config.memory_dir) / layout.AGENT_SOCKET)
@@ -106,6 +106,14 @@ class Agent:
         self._loop.start()
         _log.info("[Agent %s] serving %s on %s:%d (peers: %s, replicas: %d)", self.node_id, config.memory_dir,
                   *self.address, ", ".join(f"{h}:{q}" for h, q in config.peers) or "none", config.replicas)
+        if config.insecure_wire:
+            self.metrics.insecure_wire.set(1)
+            _log.warning("[Agent %s] WARNING: --insecure-wire: checkpoint bytes go to and from peers UNENCRYPTED and "
+                         "WITHOUT STREAM INTEGRITY; anyone on the network path can read them, and alter them within "
+                         "what the item checksums catch. Use it only on a fabric you trust.", self.node_id)
+        if not config.secret:
+            _log.info("[Agent %s] no job secret: peers on this host authenticate with this user's own secret "
+                      "(%s)", self.node_id, USER_SECRET)
 
     def close(self) -> None:
         self._stop.set()
@@ -187,7 +195,7 @@ class Agent:
         deadline = self.config.limits.peer_deadline_s
 
         def node_of(addr: tuple[str, int]) -> str:
-            client = PeerClient.connect(addr, self.node_id, self.config.secret, timeout=deadline)
+            client = self.connect(addr, timeout=deadline)
             client.close()
             return client.node
 
@@ -208,6 +216,11 @@ class Agent:
         return [(n, by_node[n]) for n in ring_targets(list(by_node), self.node_id, self.config.replicas)]
 
     # -- peer requests (receiver) -----------------------------------------------------------
+    def connect(self, address: tuple[str, int], timeout: float = 30.0) -> PeerClient:
+        """An authenticated connection to the agent at ``address``, on this agent's wire."""
+        return PeerClient.connect(address, self.node_id, self.secret, timeout=timeout,
+                                  insecure=self.config.insecure_wire)
+
     def handle_peer(self, req: p.Request, conn: Connection, peer: str) -> None:
         if isinstance(req, p.ListSteps):
             serve_list(self, req, conn)

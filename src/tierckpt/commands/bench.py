@@ -15,6 +15,7 @@ SUITES = {
     "local": "memory tier against memcpy, torch.save and DCP",
     "s3": "durable drain and load over S3 against s3torchconnector (docs/s3.md)",
     "replication": "agents replicating a step against a raw socket copy",
+    "wire": "ways to authenticate the peer stream (TLS 1.3, HMAC, GMAC, BLAKE3) against a plain socket copy",
     "recovery": "tierckpt run against torchrun: SIGKILL, SIGSTOP, NaN, lost node (--compile: in-process too)",
     "scale": "the launcher's control plane at N simulated nodes against torch's c10d rendezvous",
     "gpu": "CUDA: overlapped save stall against the device-to-host copy; in-process restart (NCCL)",
