@@ -99,6 +99,10 @@ def build_parser() -> ArgumentParser:
                    "the job's secret, or one generated per job; anything but loopback needs a secret)")
     a.add_argument("--memory-budget", help="node-wide memory tier budget: 40%% of RAM (20-100%%) or bytes (64G)")
     a.add_argument("--agent-secret-file", help="the job's secret for peer connections (else $TIERCKPT_AGENT_SECRET)")
+    a.add_argument("--agent-insecure-wire", action="store_true",
+                   help="peer replication without TLS (for a fabric you trust: no encryption, integrity only from "
+                        "the item checksums; the handshake still authenticates peers); every node of the job must "
+                        "agree; off by default, a warning and the tierckpt_agent_insecure_wire gauge when on")
     return p
 
 
@@ -129,7 +133,7 @@ def _agent_config(args: Namespace) -> Any:
     # by default the workers' memory tier is the library's default root: serve that one
     return AgentConfig(memory_dir=args.memory_dir or DEFAULT_MEMORY_DIR, listen=parse_address(args.agent_listen or "127.0.0.1:0"),
                        peers=peers, replicas=1 if replicas is None else replicas,
-                       secret=read_secret(args.agent_secret_file),
+                       secret=read_secret(args.agent_secret_file), insecure_wire=args.agent_insecure_wire,
                        budget_bytes=None if args.memory_budget is None else parse_budget(args.memory_budget,
                                                                                        node_ram_bytes()),
                        durable_url=args.durable_url)

@@ -88,3 +88,12 @@ def test_a_new_membership_never_reads_a_lost_nodes_agent_address() -> None:
     assert ctl.agents(3, 2, wait_s=0.2) == [("h0", 7601)]  # a wait that times out returns those found
     ctl.publish_agent(3, 1, "h2", 7601)
     assert ctl.agents(3, 2, wait_s=5.0) == [("h0", 7601), ("h2", 7601)]
+
+
+def test_agent_insecure_wire_reaches_the_hosted_agent_and_is_off_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TIERCKPT_AGENT_SECRET", raising=False)
+    default = _agent_config(_args("--nnodes", "2", "--rdzv-endpoint", "head-node:29400"))  # type: ignore[arg-type]
+    assert default is not None and default.insecure_wire is False
+    on = _agent_config(_args("--nnodes", "2", "--rdzv-endpoint", "head-node:29400",  # type: ignore[arg-type]
+                             "--agent-insecure-wire"))
+    assert on is not None and on.insecure_wire is True
