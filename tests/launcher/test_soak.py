@@ -222,14 +222,18 @@ def _report(job: LocalJob, plan: Plan, rows: list[dict[str, Any]], wall: float, 
           f"(extra {wall - ref_wall:.1f} s, {(wall - ref_wall) / len(rows):.1f} s per fault; backoff {backoff:.1f} s)")
     for row in rows:
         f = row["fault"]
-        back = [e for r in (0, 1) for e in job.trace(r) if e["event"] == "resumed" and e["time"] > f["time"]]
-        resumed = min((e["step"] or 0 for e in back), default=row["step"])
+        # each rank's first resume after the fault was injected (an in-process restart is reported
+        # by the agent after the workers resumed: the fault event may come later than the resume)
+        back = [next((e for e in job.trace(r) if e["event"] == "resumed" and e["time"] > row["t_inject"]), None)
+                for r in (0, 1)]
+        resumed = min((e["step"] or 0 for e in back if e is not None), default=row["step"])
         redone += max(0, row["step"] - resumed)
+        since = max((e["time"] for e in back if e is not None), default=f["time"])
         first = min((e["time"] for r in (0, 1) for e in job.trace(r)
-                     if e["event"] == "step" and e["time"] > f["time"] and e["step"] > resumed), default=float("nan"))
-        lost.setdefault(row["kind"], []).append(first - row["t_inject"])
+                     if e["event"] == "step" and e["time"] > since), default=float("nan"))
+        lost.setdefault(row["kind"], []).append(first - row["t_inject"])  # detection included
         print(f"  {row['kind']:<4} rank {row['rank']} at step {row['step']:>3}: {f['reason']} (node {f.get('node')}, "
-              f"rank {f.get('rank')}) detected {f['time'] - row['t_inject']:.2f} s, training again "
-              f"{first - f['time']:.2f} s after, resumed step {resumed}")
+              f"rank {f.get('rank')}) reported {f['time'] - row['t_inject']:.2f} s and training again "
+              f"{first - row['t_inject']:.2f} s after the fault, resumed step {resumed}")
     print(f"  steps redone {redone}; from the fault to training again, mean per kind: "
           + ", ".join(f"{k} {sum(v) / len(v):.2f} s" for k, v in sorted(lost.items())))
