@@ -125,7 +125,7 @@ class Stager:
         self._layout_key: tuple[Any, ...] | None = None
         self._layout: tuple[dict[str, int], dict[str, TensorRecord], int] | None = None
         self._stream: Any = None
-        self._pinned: dict[str, int] = {}  # slot name → registered pointer
+        self._pinned: dict[str, Slot] = {}  # slot name → the slot this stager registered with CUDA
 
     def stage(self, state_dict: dict[str, Any], *, copier: Executor | None = None, checksums: bool = False,
               step: int | None = None) -> Snapshot:
@@ -220,17 +220,18 @@ class Stager:
         """Register the slot's mapping with CUDA once, so D2H copies land in it directly."""
         buf = _buffer(slot)
         ptr = buf.data_ptr()
-        if self._pinned.get(slot.path.name) == ptr or buf.numel() == 0:
+        if slot.registered == ptr or buf.numel() == 0:
             return
+        slot.unregister()  # an earlier mapping of this slot (Slot.unmap unregisters too)
         cudart = torch.cuda.cudart()
         rc = cudart.cudaHostRegister(ptr, buf.numel(), 0)
         if int(rc) == 0:
-            self._pinned[slot.path.name] = ptr
+            slot.registered = ptr
+            self._pinned[slot.path.name] = slot
 
     def close(self) -> None:
-        if self._pinned and torch.cuda.is_available():
-            for ptr in self._pinned.values():
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+        for slot in self._pinned.values():
+            slot.unregister()
         self._pinned.clear()
 
 

@@ -49,6 +49,8 @@ class Slot:
     size: int
     _mm: mmap.mmap | None = field(default=None, repr=False)
     buffer: torch.Tensor | None = field(default=None, repr=False)
+    #: the mapping's address while it is registered with CUDA (``snapshot.Stager._pin``)
+    registered: int | None = field(default=None, repr=False)
 
     def map(self) -> None:
         self.unmap()
@@ -68,7 +70,17 @@ class Slot:
         except (OSError, ValueError):  # older kernel: touch one byte per page (the slot is free)
             self.buffer[::_PAGE].zero_()
 
+    def unregister(self) -> None:
+        """Undo the CUDA host registration of this mapping (before it goes: CUDA keeps a stale
+        registration of an unmapped range, and a later mapping at the same address is then
+        read and written by DMA through the old pages: a load into CUDA tensors from it was
+        torn on an H100)."""
+        if self.registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = None
+
     def unmap(self) -> None:
+        self.unregister()
         self.buffer = None
         if self._mm is not None:
             try:
