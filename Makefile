@@ -20,7 +20,7 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	@sh tests/cluster/install.sh
 	# two workers: the scenarios mostly wait (detection, restarts); hosts and benches each stay serial (tests/conftest.py)
-	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -q -m slow -n 2 --dist loadgroup --durations=30
 
 test-all: test test-slow
 
