@@ -147,10 +147,14 @@ class LocalS3Server:
                     env={**os.environ, "TMPDIR": str(tmp)},
                 )
             atexit.register(self.stop)  # an interpreter that exits on an error still stops it
-            if self._wait_ready(timeout):
+            # a slow start (a loaded machine) gets more time; only a weed that exited (a port
+            # taken between choosing and binding) is started again on other ports
+            if self._wait_ready(timeout) or (self.proc is not None and self.proc.poll() is None
+                                             and self._wait_ready(2 * timeout)):
                 return self
             self.stop()
-        raise RuntimeError(f"SeaweedFS did not start; see {self.log_path}")
+        tail = self.log_path.read_text(errors="replace").splitlines()[-15:] if self.log_path.exists() else []
+        raise RuntimeError(f"SeaweedFS did not start; see {self.log_path}; its last lines:\n" + "\n".join(tail))
 
     def _wait_ready(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
