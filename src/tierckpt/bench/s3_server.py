@@ -4,7 +4,8 @@
 machine (it advertises a foreign address, binds every interface, reports telemetry and
 starts WebDAV, an admin UI, Iceberg and Lance), so every one of those is turned off and
 every port, gRPC ones included, is a free loopback port chosen at start. Its logs go to
-``<root>/weed.log`` and its local sockets under ``<root>/tmp``, so nothing is left elsewhere; the
+``<root>/weed.log`` and its local sockets under ``<root>`` (or, where that path is too long for a
+Unix socket, a short directory of its own under /tmp, removed at stop), so nothing is left elsewhere; the
 server stops with ``stop()``, at interpreter exit, and when the thread that started it dies.
 
     with LocalS3Server(tmp_dir) as s3:
@@ -33,6 +34,7 @@ from pathlib import Path
 __all__ = ["LocalS3Server", "find_weed"]
 
 _SERVICES = ("s3", "master", "volume", "filer", "admin")
+_SUN_PATH_MAX = 108  # bytes in sockaddr_un.sun_path, its NUL included
 _GRPC_OFFSET = 10000  # some weed components assume gRPC = HTTP port + 10000, so keep to it
 
 
@@ -98,6 +100,19 @@ class LocalS3Server:
         self.proc: subprocess.Popen[bytes] | None = None
         self.ports: dict[str, int] = {}
         self.log_path = self.root / "weed.log"
+        self._sock_dir: Path | None = None
+
+    @property
+    def sock_dir(self) -> Path:
+        """Where weed's local sockets go: the root, or a short directory of its own when a socket
+        path under the root would pass the kernel's limit (108 bytes; a pytest-xdist tmp path does)."""
+        if self._sock_dir is None:
+            longest = self.root / "tmp" / "seaweedfs-filer-grpc-65535.sock"
+            if len(os.fsencode(longest)) < _SUN_PATH_MAX:
+                self._sock_dir = self.root
+            else:
+                self._sock_dir = Path(tempfile.mkdtemp(prefix="tcw-", dir="/tmp"))
+        return self._sock_dir
 
     @property
     def endpoint_url(self) -> str:
@@ -122,7 +137,7 @@ class LocalS3Server:
             f"-s3.config={self.root / 's3.json'}", "-webdav=false", "-admin.ui=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0", "-master.telemetry=false",
             "-s3.autoCreateBucket=false",  # like AWS: a missing bucket is an error, not a new bucket
-            f"-filer.localSocket={self.root / 'filer.sock'}", f"-s3.localSocket={self.root / 's3.sock'}",
+            f"-filer.localSocket={self.sock_dir / 'filer.sock'}", f"-s3.localSocket={self.sock_dir / 's3.sock'}",
         ]
         cmd += [f"-{name}={port}" for name, port in self.ports.items()]
         return cmd
@@ -138,7 +153,7 @@ class LocalS3Server:
             http = dict(zip(_SERVICES, _free_port_pairs(len(_SERVICES)), strict=True))
             self.ports = {f"{svc}.port": p for svc, p in http.items()}
             self.ports.update({f"{svc}.port.grpc": p + _GRPC_OFFSET for svc, p in http.items()})
-            tmp = self.root / "tmp"  # weed puts its local sockets in $TMPDIR: keep them in our root
+            tmp = self.sock_dir / "tmp"  # weed puts its local sockets in $TMPDIR: keep them ours
             tmp.mkdir(exist_ok=True)
             with open(self.log_path, "ab") as log:
                 self.proc = subprocess.Popen(
@@ -180,15 +195,17 @@ class LocalS3Server:
         """Stop the server this object started (by its PID only)."""
         proc, self.proc = self.proc, None
         atexit.unregister(self.stop)
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
-        self._remove_grpc_sockets()
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout)
+            self._remove_grpc_sockets()
+        if self._sock_dir is not None and self._sock_dir != self.root:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
 
     def _remove_grpc_sockets(self) -> None:
         """weed puts each service's gRPC socket in /tmp whatever $TMPDIR says, named by a port this
