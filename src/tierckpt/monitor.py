@@ -83,12 +83,15 @@ class _Writer:
     def write(self, step: int | None, loss: float | None, *, saved: bool = False) -> None:
         with self._lock:
             self._seq += 1
-            if step is not None:
-                self._step = int(step)
-            if loss is not None:
-                self._loss = float(loss)
-                if not math.isfinite(self._loss):
-                    self._flags |= _FLAG_NON_FINITE
+            # after a non-finite loss the record keeps its step and loss: the launcher may read it
+            # steps later, and the generations after resume below the first non-finite step
+            if not self._flags & _FLAG_NON_FINITE:
+                if step is not None:
+                    self._step = int(step)
+                if loss is not None:
+                    self._loss = float(loss)
+                    if not math.isfinite(self._loss):
+                        self._flags |= _FLAG_NON_FINITE
             flags = self._flags | (_FLAG_SECTION if self._sections else 0) | (_FLAG_SAVED if saved else 0)
             body = _FMT.pack(self._seq, self._step, time.time(), self._loss, flags)
             rec = body + struct.pack("<I", zlib.crc32(body))
@@ -181,7 +184,9 @@ def step(step: int, loss: float | None = None, **metrics: float) -> None:
 
     ``metrics`` (e.g. ``samples_per_s=...``) are accepted for forward compatibility and
     currently only checked for finiteness like the loss. A non-finite value also holds back this
-    process's saves (``Checkpointer.save``) until a later step reports a finite loss.
+    process's saves (``Checkpointer.save``) until a later step reports a finite loss. Under
+    ``tierckpt run`` the heartbeat record keeps the first non-finite step and its loss from then on,
+    so the launcher names that step however late it reads the record.
     """
     global _warned_non_finite
     bad = loss is not None and not math.isfinite(float(loss))
