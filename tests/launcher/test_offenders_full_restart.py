@@ -43,7 +43,9 @@ def test_a_full_restart_avoids_the_repeat_offender_and_a_spare_takes_its_rank(ma
     job.start(order=[0, 1])
     assert job.wait_exit(180) == {0: 75, 1: 75}, job.report()
     for node in (0, 1):
-        (ev,) = [e for e in job.events(node) if e["event"] == "offender"]
+        offenders = [e for e in job.events(node) if e["event"] == "offender"]
+        assert len(offenders) == 1, job.report()
+        ev = offenders[0]
         assert ev["at"] == "full_restart" and ev["identity"] == node1 and ev["node"] == 1, ev
         assert ev["machine"] == socket.gethostname() and ev["faults"] == 2 and ev["window_s"] == 3600, ev
         state = json.loads((Path(job.memory[node]) / ".tierckpt-run" / f"{job.rdzv_id}.json").read_text())

@@ -79,6 +79,7 @@ from tierckpt.launcher.spares import (
     publish_nodes,
     report_round,
 )
+from tierckpt.launcher.symptom import SettleHold, peer_failure, tail
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
@@ -149,6 +150,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._unhealthy_before = 0  # the backoff streak this incarnation began with (escalation.py; state file)
         self._arrivals_seen = 0  # spares.arrivals when this round settled
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
+        self._symptom_hold = SettleHold()  # a crash that is a peer's failure's symptom waits here (symptom.py)
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
         # repeat offenders (avoid.py): faults by node identity, in the store and the state file
@@ -365,6 +367,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                         self._rules[(local_rank, path)] = (LineReader(path), RuleMonitor(rules, now))
         self._calibrated_reported = False
         self._past_marked = False
+        self._symptom_hold = SettleHold()
 
     def _watch_resume(self) -> None:
         """Tell the store once per generation that this node's ranks moved past the resume bound."""
@@ -406,7 +409,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         if late is not None:
             return self._record(late[0], None, late[1], since=None)
         if result.state == WorkerState.FAILED:
-            rank, failure = sorted(result.failures.items())[0] if result.failures else (None, None)
+            rank, failure, symptom = self._primary_failure(result.failures)
             code = getattr(failure, "exitcode", None)
             detail = f"exit code {code}" if code is None or code >= 0 else f"killed by {signal.Signals(-code).name}"
             dog = getattr(self, "_worker_watchdog", None)
@@ -414,8 +417,12 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             if dog is not None and pid in dog.expired:
                 detail += f" (torch's file timer {dog.expired[pid]!r} expired)"
             # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
-            return self._record("Crash", rank, detail,
-                                since=self._woke_at if self._woke_at is not None else self._polled_at)
+            rec = self._record("Crash", rank, detail,
+                               since=self._woke_at if self._woke_at is not None else self._polled_at)
+            if symptom is None:
+                return rec
+            lost = self._lost_node()  # a lost node explains a peer's failure better
+            return lost if lost is not None else {**rec, "symptom": symptom}
         for local_rank, tr in self._trackers.items():
             tr.observe(read_beat(os.path.join(self._beat_dir, f"beat_{local_rank}")), now)
         # silent ranks' processes from /proc: stopped, idle or busy (hang.py)
@@ -442,15 +449,42 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         if self._liveness is not None:
             if self._liveness.store_error is not None:
                 return self._record("LostStore", None, self._liveness.store_error, since=now)
-            lost = self._liveness.lost()
-            if lost:
-                return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for "
-                                       f"{self.opts.node_timeout_s:g}s", since=now - self.opts.node_timeout_s,
-                                       node=lost[0]), "lost": sorted(lost)}
+            lost_node = self._lost_node()
+            if lost_node is not None:
+                return lost_node
         if self._snooze.allows(now, self._scaled_down_at) and \
                 (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
             return self._record(MEMBERSHIP_CHANGE, None, "a new agent is waiting in the rendezvous", since=now)
         return None
+
+    def _lost_node(self) -> dict[str, Any] | None:
+        """The LostNode record when liveness counts a node lost now, else None."""
+        lost = self._liveness.lost() if self._liveness is not None else []
+        if not lost:
+            return None
+        return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for {self.opts.node_timeout_s:g}s",
+                               since=time.monotonic() - self.opts.node_timeout_s, node=lost[0]), "lost": sorted(lost)}
+
+    def _primary_failure(self, failures: dict[int, Any]) -> tuple[int | None, Any, str | None]:
+        """(rank, failure, symptom) of the local failure to name: the first that is no symptom of a
+        peer's failure (symptom.py), else the first, with the output line that showed the symptom."""
+        if not failures:
+            return None, None, None
+        seen: list[tuple[int, Any, str | None]] = []
+        outputs = (self._pcontext.stderrs, self._pcontext.stdouts) if self._pcontext is not None else ()
+        for rank, failure in sorted(failures.items()):
+            code = getattr(failure, "exitcode", None)
+            local_rank = getattr(failure, "local_rank", None)
+            line = None
+            if isinstance(code, int) and code > 0:  # a signal is its own cause
+                for stream in outputs:
+                    line = peer_failure(tail(stream.get(local_rank))) if local_rank in stream else None
+                    if line is not None:
+                        break
+            if line is None:
+                return rank, failure, None
+            seen.append((rank, failure, line))
+        return seen[0]
 
     def _deadline_passed(self) -> tuple[str, str] | None:
         """activeDeadlineSeconds / faultDeadlineSeconds (escalation.py) at this poll."""
@@ -668,6 +702,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self._polled_at = time.monotonic()
                 if local is None:
                     continue
+                if local.get("symptom") is not None:  # a peer's failure: its own claim is due first
+                    local = self._symptom_hold.hold(local, self._polled_at)
+                    if local is None:
+                        continue
                 claimed = self.ctl.claim(self.generation, self._tagged(local))
             outcome = self._recover(claimed)
             if outcome is not None:
@@ -699,6 +737,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._recovering = None
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
                          detection_latency_s=fault.get("detection_latency_s"), **_kind(fault),
+                         **{k: fault[k] for k in ("symptom", "settle_s") if k in fault},
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
         if self._replace_alone(fault, g, t_detect):
             return None
