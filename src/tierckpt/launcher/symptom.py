@@ -72,9 +72,8 @@ class SettleHold:
     def hold(self, record: dict[str, Any], now: float) -> dict[str, Any] | None:
         """None while the window since the first symptom lasts; then that first record (its
         detection time is the crash's), with ``settle_s`` the time it was held."""
-        if self.first is None:
+        if self.first is None or self.since is None:
             self.since, self.first = now, record
-        assert self.since is not None
         if now - self.since < self.settle_s:
             return None
         return {**self.first, "settle_s": round(now - self.since, 3)}
