@@ -176,6 +176,10 @@ def _get_writer() -> _Writer | None:
     directory = os.environ.get("TIERCKPT_MONITOR_DIR")
     local_rank = os.environ.get("LOCAL_RANK", "0")
     _writer = _Writer(os.path.join(directory, f"beat_{int(local_rank)}")) if directory else None
+    if directory:  # where the main thread waits when it is silent (waitsample.py)
+        from tierckpt import waitsample
+
+        waitsample.start(directory, int(local_rank))
     return _writer
 
 

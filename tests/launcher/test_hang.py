@@ -70,8 +70,26 @@ def test_collective_that_never_returns_is_reported_within_10s(make_job: Callable
     assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
     fault = _faults(job)[0]
     assert fault["reason"] == "Hang", job.report()
-    assert "no CPU or I/O progress" in str(fault["detail"]), fault
+    # rank 1 waits in its own code (threading.Event.wait), rank 0 in the all-reduce for it: rank 1 is named
+    assert (fault["node"], fault["rank"]) == (1, 1), job.report()
+    assert "idle in its own code" in str(fault["detail"]) and "wait for it in a collective" in str(fault["detail"]), fault
     assert float(fault["detection_latency_s"]) <= 10.0, fault  # type: ignore[arg-type]
+
+
+def test_idle_evaluation_passes_every_25_steps_are_no_hang(make_job: Callable[..., LocalJob]) -> None:
+    """Issue 25's job: every 25th step every rank waits 8 s without CPU (it sleeps, as an evaluation
+    waiting on a remote service does), at the user's defaults (--node-timeout 10). The old rule called
+    it a Hang at 5 s, at every pass; where the ranks wait (their own code, not a collective) says
+    it is no stall."""
+    job = make_job(train=["--steps", "52", "--step-time", "0.05", "--eval-every", "25", "--eval-s", "8",
+                          "--eval-idle"], node_timeout=10.0)
+    job.start()
+    assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
+    assert _faults(job) == [], job.report()
+    for r in (0, 1):
+        evals = [e for e in job.trace(r) if e["event"] == "eval"]
+        assert [e["step"] for e in evals] == [25, 50] and all(e["eval_s"] >= 8.0 for e in evals), evals
+        assert {e["generation"] for e in job.trace(r)} == {0}
 
 
 def test_an_idle_stall_learned_in_an_earlier_incarnation_is_normal(make_job: Callable[..., LocalJob]) -> None:

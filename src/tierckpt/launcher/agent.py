@@ -50,7 +50,7 @@ from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events, describe_error
-from tierckpt.launcher.hang import Profile
+from tierckpt.launcher.hang import LIB_WAIT, USER_WAIT, Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
@@ -63,7 +63,7 @@ from tierckpt.launcher.membership import (
 )
 from tierckpt.launcher.offenders import OffenderPolicy
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
-from tierckpt.launcher.procwatch import sample_ranks
+from tierckpt.launcher.procwatch import sample_ranks, wait_places
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
@@ -436,8 +436,16 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 mon.feed(line, now)
             if mon.matched:
                 started.add(local_rank)
+        where = wait_places(self._trackers, self._beat_dir)  # idle ranks: in their own code or in torch
+        user_here = {lr for lr, w in where.items() if w == USER_WAIT}
+        lib_here = {lr for lr, w in where.items() if w == LIB_WAIT}
+        user_there, lib_there = (False, False) if board is None else board.waits(
+            self.generation, self.nnodes, bool(user_here), bool(lib_here),
+            ask=any(tr.idle_suspect() for tr in self._trackers.values()))
         for local_rank, tr in self._trackers.items():
-            problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started)
+            problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started,
+                               where=where.get(local_rank), peer_user_wait=user_there or bool(user_here - {local_rank}),
+                               peer_lib_wait=lib_there or bool(lib_here - {local_rank}))
             if problem is not None:
                 rec = self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
                 return {**rec, "stopped": True} if tr.stopped() else rec

@@ -9,7 +9,9 @@
 A rank that waits idle in a collective for a rank of another node which is computing (an
 evaluation pass on rank 0 alone, a synchronous save) is not hung; hang.py's idle rule asks this
 board before it fires. Keys: ``tierckpt/run/busy/<generation>/<node>`` = ``1`` or ``0``; a new
-generation starts with none. An agent that dies while its key says ``1`` is a lost node
+generation starts with none. ``waits`` does the same for where idle ranks wait
+(``tierckpt/run/wait/<generation>/<node>``: ``u``, ``l``, both or empty), so that hang.py names
+the rank stalled in its own code, not the ones waiting for it in a collective. An agent that dies while its key says ``1`` is a lost node
 (control.Liveness), so a stale ``1`` does not excuse a hang for longer than ``--node-timeout``
 before the job restarts anyway.
 """
@@ -21,6 +23,7 @@ from typing import Any
 __all__ = ["BusyBoard"]
 
 _P = "tierckpt/run/busy/"
+_W = "tierckpt/run/wait/"  # b"u": a rank idle in its own code, b"l": idle in torch (a collective)
 
 
 def _store_errors() -> tuple[type[BaseException], ...]:
@@ -36,6 +39,7 @@ class BusyBoard:
         self.store = store
         self.node = node
         self._published: tuple[int, bool] | None = None
+        self._waits: tuple[int, bytes] | None = None
 
     def exchange(self, generation: int, nnodes: int, busy: bool, ask: bool) -> bool:
         self.publish(generation, busy)
@@ -49,6 +53,25 @@ class BusyBoard:
             self._published = (generation, busy)
         except _store_errors():
             pass  # the store's host is gone: the liveness check reports it
+
+    def waits(self, generation: int, nnodes: int, user: bool, lib: bool, ask: bool) -> tuple[bool, bool]:
+        """Publish whether a rank here is idle in its own code / in torch (waitsample.py; one write
+        when it changes) and, when ``ask``, whether one on another node is: (user, lib)."""
+        value = (b"u" if user else b"") + (b"l" if lib else b"")
+        if self._waits != (generation, value) and (self._waits is not None or value):
+            try:
+                self.store.set(f"{_W}{generation}/{self.node}", value)
+                self._waits = (generation, value)
+            except _store_errors():
+                pass
+        if not ask or nnodes < 2:
+            return False, False
+        keys = [f"{_W}{generation}/{n}" for n in range(nnodes) if n != self.node]
+        try:
+            got = [self.store.get(k) for k in keys if self.store.check([k])]
+        except _store_errors():
+            return False, False
+        return any(b"u" in v for v in got), any(b"l" in v for v in got)
 
     def others_busy(self, generation: int, nnodes: int) -> bool:
         keys = [f"{_P}{generation}/{n}" for n in range(nnodes) if n != self.node]

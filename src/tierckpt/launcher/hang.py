@@ -19,7 +19,10 @@ A heartbeat that is late is not yet a hang. What decides, in this order:
    limit, ``max(idle_floor_s, idle_factor x the longest idle stretch learned)`` → ``Hang``, unless
    another rank of the job is busy and silent too (this one waits for that one in a collective).
    A busy rank that gets little CPU because the machine is loaded stays runnable (``R``), so it
-   never looks idle.
+   never looks idle. Where the idle rank's main thread waits (``where``, from tierckpt.waitsample)
+   names the culprit: idle in its own code while a rank waits in a collective → this rank's
+   ``Hang``; idle in a collective while a rank is idle in its own code → not this one's; every
+   rank idle in its own code (an evaluation waiting on a service) → no hang before the ceiling.
 4. **ceiling**: a rank that keeps computing without a heartbeat is a hang after ``ceiling_s``, or
    ``max(ceiling_floor_s, ceiling_factor x the longest interval learned)`` (a livelock, a loop
    that never ends).
@@ -40,6 +43,7 @@ from typing import Any
 __all__ = ["Evidence", "HangPolicy", "Profile", "Sample", "judge"]
 
 HANG = "Hang"
+USER_WAIT, LIB_WAIT = 1, 2  # waitsample.USER / LIB (where a silent rank's main thread waits)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,8 +184,17 @@ class Evidence:
 
 
 def judge(policy: HangPolicy, profile: Profile, ev: Evidence, *, silent_s: float, step: int | None,
-          section: tuple[str, float | None] | None = None, peer_busy: bool = False) -> tuple[str, str] | None:
-    """(reason, detail) when the evidence shows a hang now, else None; the caller checks ``ev.known`` first."""
+          section: tuple[str, float | None] | None = None, peer_busy: bool = False,
+          where: int | None = None, peer_user_wait: bool = False,
+          peer_lib_wait: bool = False) -> tuple[str, str] | None:
+    """(reason, detail) when the evidence shows a hang now, else None; the caller checks ``ev.known`` first.
+
+    ``where``: where the rank's main thread waits (waitsample.USER / LIB; None: unknown);
+    ``peer_user_wait`` / ``peer_lib_wait``: another rank of the job is idle in its own code / in
+    torch (a collective). Rule 3 then names the culprit: a rank idle in its own code is the stall
+    when a rank waits for it in a collective, and no hang before the ceiling when none does (an
+    evaluation pass that waits on a service); a rank idle in a collective while another is idle in
+    its own code waits for that one (not its hang)."""
     after = f"{silent_s:.1f}s after its last heartbeat at step {step}"
     stopped = ev.stopped_for()
     if stopped >= policy.stopped_s:
@@ -193,10 +206,17 @@ def judge(policy: HangPolicy, profile: Profile, ev: Evidence, *, silent_s: float
         return None
     idle, idle_limit = ev.idle_for(), policy.idle_limit(profile)
     if silent_s >= idle_limit and idle >= idle_limit - policy.sample_after_s - 0.5 and not peer_busy:
-        return HANG, (f"no CPU or I/O progress for {idle:.1f}s, {after} (idle limit {idle_limit:.1f}s; "
-                      "no other rank busy)")
+        if where == USER_WAIT and peer_lib_wait:
+            return HANG, (f"idle in its own code for {idle:.1f}s, {after}, while rank(s) wait for it in a "
+                          f"collective (idle limit {idle_limit:.1f}s)")
+        if where == LIB_WAIT and peer_user_wait:
+            return None  # it waits for a rank stalled in its own code: that rank is the one reported
+        if where != USER_WAIT:
+            return HANG, (f"no CPU or I/O progress for {idle:.1f}s, {after} (idle limit {idle_limit:.1f}s; "
+                          "no other rank busy)")
     ceiling = policy.ceiling(profile)
     if silent_s >= ceiling:
-        what = "busy" if ev.busy() else ("waiting for a busy rank" if peer_busy else "not idle long enough")
+        what = "busy" if ev.busy() else ("waiting for a busy rank" if peer_busy else
+                                         "idle in its own code" if where == USER_WAIT else "not idle long enough")
         return HANG, f"no heartbeat for {silent_s:.1f}s while {what} (ceiling {ceiling:.0f}s), step {step}"
     return None

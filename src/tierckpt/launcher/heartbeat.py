@@ -156,12 +156,14 @@ class BeatTracker:
         """The rank's process is stopped now (SIGSTOP, a debugger): no in-process restart can reach it."""
         return self.evidence.known and self.evidence.stopped_for() >= self.policy.hang.stopped_s
 
-    def check(self, now: float, *, peer_busy: bool = False, started: bool = False) -> tuple[str, str] | None:
+    def check(self, now: float, *, peer_busy: bool = False, started: bool = False, where: int | None = None,
+              peer_user_wait: bool = False, peer_lib_wait: bool = False) -> tuple[str, str] | None:
         """(reason, detail) when this rank is faulty now, else None.
 
         ``peer_busy``: another rank of the job is silent and busy (hang.py, rule 3). ``started``:
         a log rule matched this rank's output, which meets ``startupDeadlineSeconds`` as a first
-        beat does (the deadline is the job's start, by either sign)."""
+        beat does (the deadline is the job's start, by either sign). ``where``, ``peer_user_wait``,
+        ``peer_lib_wait``: where this rank and the others wait when idle (hang.judge, rule 3)."""
         if self.non_finite:
             return NON_FINITE_LOSS, f"step {self.step}: loss is {self.loss}"
         limit = self.timeout()
@@ -176,7 +178,8 @@ class BeatTracker:
         if self.policy.fixed_timeout_s is None and self.evidence.known:
             self._waited_for_peer = self._waited_for_peer or (peer_busy and self.evidence.idle_for() > 0)
             return judge(self.policy.hang, self.profile, self.evidence, silent_s=silent, step=self.step,
-                         section=self.section, peer_busy=peer_busy)
+                         section=self.section, peer_busy=peer_busy, where=where,
+                         peer_user_wait=peer_user_wait, peer_lib_wait=peer_lib_wait)
         if self.section is not None and self.section[1] is not None and self.policy.fixed_timeout_s is None:
             limit = max(limit, self.section[1])
         if silent > limit:

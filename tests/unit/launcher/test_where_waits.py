@@ -1,0 +1,113 @@
+"""Where an idle rank waits decides who is hung (issue 25, items 2 and the idle-evaluation defect):
+the classification of the main thread's stack, the sampler on a real process, the hang rule on a
+fake clock, and the wait board on a real store."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tierckpt import waitsample
+from tierckpt.launcher import hang
+from tierckpt.launcher.hang import Sample
+from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.monitor import Beat
+from tierckpt.waitsample import LIB, USER, classify, read_where
+
+
+def _frame_in(filename: str) -> object:
+    code = compile("import sys\nf = sys._getframe()", filename, "exec")
+    scope: dict[str, object] = {}
+    exec(code, scope)  # noqa: S102 - a frame whose code claims to live in ``filename``
+    return scope["f"]
+
+
+def test_the_innermost_frame_tells_torch_from_user_code() -> None:
+    site = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")
+    assert classify(_frame_in(os.path.join(site, "torch", "distributed", "distributed_c10d.py"))) == LIB
+    assert classify(_frame_in(os.path.join(site, "tierckpt", "dcp", "writer.py"))) == LIB
+    assert classify(_frame_in(os.path.join(site, "torch", "utils", "data", "dataloader.py"))) == USER
+    assert classify(_frame_in("/home/me/train.py")) == USER
+    assert classify(_frame_in(os.path.join(site, "tierckpt", "demo", "resilient.py"))) == USER  # a training loop
+    assert classify(_frame_in("/usr/lib/python3.11/threading.py")) == USER
+    assert classify(None) == USER
+    assert (hang.USER_WAIT, hang.LIB_WAIT) == (USER, LIB)  # hang.py stays pure: same codes
+
+
+def test_the_sampler_of_a_sleeping_process_says_user_and_goes_stale_when_it_ends(tmp_path: Path) -> None:
+    code = ("import sys, time; from tierckpt import waitsample; waitsample.start(sys.argv[1], 3); "
+            "time.sleep(30)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)])
+    path = str(tmp_path / "where_3")
+    try:
+        deadline = time.monotonic() + 20
+        while read_where(path) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert read_where(path) == USER
+    finally:
+        proc.kill()
+        proc.wait()
+    assert read_where(path, now=time.time() + waitsample.STALE_S + 1) is None
+    assert read_where(str(tmp_path / "absent")) is None
+
+
+def _idle_rank(seconds: float, **kw: object) -> tuple[float, tuple[str, str]] | None:
+    """A rank that beat 10 times, then sits ``seconds`` without CPU; (silence, problem) at the first problem."""
+    tr = BeatTracker(HeartbeatPolicy(), start=0.0)
+    now = 0.0
+    for seq in range(1, 11):
+        now = round(now + 0.1, 6)
+        tr.observe(Beat(seq=seq, step=seq, time=0.0, loss=1.0, non_finite=False), now)
+    start = now
+    while now - start < seconds:
+        now = round(now + 0.1, 6)
+        if tr.wants_sample(now):
+            tr.evidence.add(Sample(now, 1.0, False, False, 0))
+        problem = tr.check(now, **kw)  # type: ignore[arg-type]
+        if problem is not None:
+            return now - start, problem
+    return None
+
+
+def test_every_rank_idle_in_its_own_code_is_an_evaluation_not_a_hang_until_the_ceiling() -> None:
+    assert _idle_rank(60, where=USER) is None  # the old rule fired at 5 s
+    got = _idle_rank(400, where=USER)
+    assert got is not None and got[0] == pytest.approx(300.0, abs=0.15) and "idle in its own code" in got[1][1], got
+
+
+def test_a_rank_idle_in_its_own_code_while_others_wait_for_it_is_the_hang() -> None:
+    got = _idle_rank(30, where=USER, peer_lib_wait=True)
+    assert got is not None and 5.0 <= got[0] <= 5.2, got
+    assert got[1][0] == "Hang" and "while rank(s) wait for it in a collective" in got[1][1], got
+
+
+def test_a_rank_waiting_in_a_collective_for_one_stalled_in_its_own_code_is_not_blamed() -> None:
+    assert _idle_rank(60, where=LIB, peer_user_wait=True) is None
+    got = _idle_rank(30, where=LIB)  # every rank in a collective: a deadlock, at the idle limit as before
+    assert got is not None and 5.0 <= got[0] <= 5.2 and got[1][1].startswith("no CPU or I/O progress"), got
+    got = _idle_rank(30)  # no sampler (an old worker): as before
+    assert got is not None and 5.0 <= got[0] <= 5.2, got
+
+
+def test_wait_board_on_a_real_store() -> None:
+    import torch.distributed as dist
+
+    from tierckpt.launcher.busyboard import BusyBoard
+    from tierckpt.launcher.control import connect_client
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
+    a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)
+    assert a.waits(2, 2, False, False, ask=True) == (False, False)  # nobody published (no blocking get)
+    assert b.waits(2, 2, True, False, ask=False) == (False, False)  # published, not asked
+    assert a.waits(2, 2, False, True, ask=True) == (True, False)
+    assert b.waits(2, 2, True, False, ask=True) == (False, True)
+    assert a.waits(3, 2, False, False, ask=True) == (False, False)  # per generation
+    assert b.waits(2, 2, False, False, ask=True) == (False, True)  # b's own key cleared; a still waits in torch
+    assert a.waits(2, 2, False, False, ask=True) == (False, False)
+    assert a.waits(2, 1, False, False, ask=True) == (False, False)  # one node: nobody else
