@@ -72,7 +72,7 @@ def _run(fd: int, main: int | None) -> None:
         try:
             os.pwrite(fd, _REC.pack(time.time(), seq, classify(frame)), 0)
         except OSError:
-            return  # the launcher removed its directory: the generation ended
+            return  # a write error (a full /dev/shm): the launcher then sees a stale record, as without a sampler
         del frame
         time.sleep(INTERVAL_S)
 

@@ -476,23 +476,19 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _primary_failure(self, failures: dict[int, Any]) -> tuple[int | None, Any, str | None]:
         """(rank, failure, symptom) of the local failure to name: the first that is no symptom of a
         peer's failure (symptom.py), else the first, with the output line that showed the symptom."""
-        if not failures:
-            return None, None, None
-        seen: list[tuple[int, Any, str | None]] = []
+        first: tuple[int | None, Any, str | None] = (None, None, None)
         outputs = (self._pcontext.stderrs, self._pcontext.stdouts) if self._pcontext is not None else ()
         for rank, failure in sorted(failures.items()):
             code = getattr(failure, "exitcode", None)
-            local_rank = getattr(failure, "local_rank", None)
+            local_rank = getattr(failure, "local_rank", -1)  # -1: no output file to read
             line = None
             if isinstance(code, int) and code > 0:  # a signal is its own cause
-                for stream in outputs:
-                    line = peer_failure(tail(stream.get(local_rank))) if local_rank in stream else None
-                    if line is not None:
-                        break
+                line = next((hit for stream in outputs if (hit := peer_failure(tail(stream.get(local_rank))))), None)
             if line is None:
                 return rank, failure, None
-            seen.append((rank, failure, line))
-        return seen[0]
+            if first[0] is None:
+                first = (rank, failure, line)
+        return first
 
     def _deadline_passed(self) -> tuple[str, str] | None:
         """activeDeadlineSeconds / faultDeadlineSeconds (escalation.py) at this poll."""

@@ -38,44 +38,42 @@ class BusyBoard:
     def __init__(self, store: Any, node: int) -> None:
         self.store = store
         self.node = node
-        self._published: tuple[int, bool] | None = None
-        self._waits: tuple[int, bytes] | None = None
+        self._last: dict[str, tuple[int, bytes]] = {}  # per key prefix: (generation, value) written last
 
     def exchange(self, generation: int, nnodes: int, busy: bool, ask: bool) -> bool:
         self.publish(generation, busy)
         return ask and nnodes > 1 and self.others_busy(generation, nnodes)
 
     def publish(self, generation: int, busy: bool) -> None:
-        if self._published == (generation, busy) or (self._published is None and not busy):
-            return
-        try:
-            self.store.set(f"{_P}{generation}/{self.node}", b"1" if busy else b"0")
-            self._published = (generation, busy)
-        except _store_errors():
-            pass  # the store's host is gone: the liveness check reports it
+        self._put(_P, generation, b"1" if busy else b"0", quiet=b"0")
 
     def waits(self, generation: int, nnodes: int, user: bool, lib: bool, ask: bool) -> tuple[bool, bool]:
         """Publish whether a rank here is idle in its own code / in torch (waitsample.py; one write
         when it changes) and, when ``ask``, whether one on another node is: (user, lib)."""
-        value = (b"u" if user else b"") + (b"l" if lib else b"")
-        if self._waits != (generation, value) and (self._waits is not None or value):
-            try:
-                self.store.set(f"{_W}{generation}/{self.node}", value)
-                self._waits = (generation, value)
-            except _store_errors():
-                pass
+        self._put(_W, generation, (b"u" if user else b"") + (b"l" if lib else b""), quiet=b"")
         if not ask or nnodes < 2:
             return False, False
-        keys = [f"{_W}{generation}/{n}" for n in range(nnodes) if n != self.node]
-        try:
-            got = [self.store.get(k) for k in keys if self.store.check([k])]
-        except _store_errors():
-            return False, False
+        got = self._others(_W, generation, nnodes)
         return any(b"u" in v for v in got), any(b"l" in v for v in got)
 
     def others_busy(self, generation: int, nnodes: int) -> bool:
-        keys = [f"{_P}{generation}/{n}" for n in range(nnodes) if n != self.node]
+        return b"1" in self._others(_P, generation, nnodes)
+
+    def _put(self, prefix: str, generation: int, value: bytes, *, quiet: bytes) -> None:
+        """This node's key under ``prefix``, written when it changes (never while it was only ``quiet``)."""
+        last = self._last.get(prefix)
+        if last == (generation, value) or (last is None and value == quiet):
+            return
         try:
-            return any(self.store.check([k]) and self.store.get(k) == b"1" for k in keys)
+            self.store.set(f"{prefix}{generation}/{self.node}", value)
+            self._last[prefix] = (generation, value)
         except _store_errors():
-            return False
+            pass  # the store's host is gone: the liveness check reports it
+
+    def _others(self, prefix: str, generation: int, nnodes: int) -> list[bytes]:
+        """The other nodes' keys under ``prefix`` that exist (none on a store error)."""
+        keys = [f"{prefix}{generation}/{n}" for n in range(nnodes) if n != self.node]
+        try:
+            return [bytes(self.store.get(k)) for k in keys if self.store.check([k])]
+        except _store_errors():
+            return []

@@ -40,10 +40,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Evidence", "HangPolicy", "Profile", "Sample", "judge"]
+from tierckpt.waitsample import LIB as LIB_WAIT
+from tierckpt.waitsample import USER as USER_WAIT
+
+__all__ = ["LIB_WAIT", "USER_WAIT", "Evidence", "HangPolicy", "Profile", "Sample", "judge"]
 
 HANG = "Hang"
-USER_WAIT, LIB_WAIT = 1, 2  # waitsample.USER / LIB (where a silent rank's main thread waits)
 
 
 @dataclass(frozen=True, kw_only=True)
