@@ -58,7 +58,7 @@ def host_env(**extra: str) -> dict[str, str]:
 
 class HostJob:
     def __init__(self, cluster: Cluster, tmp: Path, *, nnodes: int | str = 2, train: Sequence[str] = (),
-                 run_args: Sequence[str] = (), durable: str | None = None, node_timeout: float = 3.0,
+                 run_args: Sequence[str] = (), durable: str | None = None, node_timeout: float | None = None,
                  max_restarts: int = 3) -> None:
         self.cluster = cluster
         self.tmp = tmp
@@ -68,6 +68,7 @@ class HostJob:
         self.train = list(train)
         self.run_args = list(run_args)
         self.durable = durable
+        #: ``--node-timeout`` when not None; the user's default (10 s) otherwise, as scenarios must run
         self.node_timeout = node_timeout
         self.max_restarts = max_restarts
         self.rdzv_id = f"job{os.getpid()}"
@@ -82,9 +83,11 @@ class HostJob:
                "--rdzv-backend=c10d", f"--rdzv-endpoint={self.head.ip}:{RDZV_PORT}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf=is_host={int(host is self.head)}", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.1", f"--namespace={NS}", "--memory-dir=/dev/shm/tierckpt",
-               f"--events={self.events_path(host.name)}", f"--node-timeout={self.node_timeout}", *self.run_args]
+               f"--events={self.events_path(host.name)}", *self.run_args]
         if self.durable is not None:
             cmd.append(f"--durable-url={self.durable}")
+        if self.node_timeout is not None:
+            cmd.append(f"--node-timeout={self.node_timeout}")
         return [*cmd, "-m", "tierckpt.demo.resilient", "--workdir", str(self.work), *self.train]
 
     def state(self, host: Host) -> dict[str, Any]:
@@ -215,3 +218,17 @@ def spare_took_rank(job: HostJob, left: Host, spare: Host, rank: int = 1, ranks:
     for r in ranks:
         job.wait_for(lambda r=r: first_step_after(job, r, gen), timeout, f"rank {r} trains in generation {gen}")
     return gen, joined
+
+
+#: a lost host is named within this of its link going down (issue 25), at the default --node-timeout
+LOST_HOST_DETECT_S = 3.0
+
+
+def assert_lost_host_blamed(job: HostJob, survivor: Host, fault: dict[str, Any], t_kill: float, *, node: int) -> None:
+    """The survivor's first fault is ``LostNode`` naming ``node`` within ``LOST_HOST_DETECT_S`` of the
+    kill, decided by the diagnosis, and no fault of the survivor names the survivor's own node."""
+    assert fault["reason"] == "LostNode" and fault["node"] == node and fault["rank"] is None, job.report()
+    assert fault["time"] - t_kill <= LOST_HOST_DETECT_S, (fault["time"] - t_kill, fault)
+    assert fault["diagnosis"]["cause"] == "lost_node" and fault["lost"] == [node], fault
+    mine = job.nodes[survivor.name]
+    assert not [e for e in job.events(survivor.name) if e["event"] == "fault" and e.get("node") == mine], job.report()

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, HostJob, newest_replica
+from tests.cluster.job import AGENT_PORT, HostJob, assert_lost_host_blamed, newest_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two jobs of ~2 min each, more on a loaded box
 
@@ -69,7 +69,7 @@ def _scenario(cluster: Cluster, tmp: Path, *, bad: bool) -> dict[str, Any]:
     h1.kill()
     fault = job.wait_for(lambda: next((e for e in job.events(h0.name) if e["event"] == "fault"), None),
                          90, "the survivor notices the lost host")
-    assert fault["reason"] in ("LostNode", "Hang", "Crash"), fault
+    assert_lost_host_blamed(job, h0, fault, t_kill, node=1)  # bad links too: 1 % loss never silences an agent 1.5 s
     h2 = cluster.add_host()
     shape(h2)
     t_replacement = time.time() - t_kill

@@ -29,6 +29,7 @@ from tests.cluster.job import (
     MEMORY,
     NS,
     HostJob,
+    assert_lost_host_blamed,
     first_step_after,
     newest_replica,
     saved_digests,
@@ -76,6 +77,7 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     gen, joined = spare_took_rank(job, h1, h2)
     back = max(first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_kill
     fault = next(e for e in job.events(h0.name) if e["event"] == "fault")
+    assert_lost_host_blamed(job, h0, fault, t_kill, node=1)
     codes = job.wait_exit(300, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
 

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.cluster.hosts import Cluster, Host
-from tests.cluster.job import AGENT_PORT, NS, HostJob, newest_replica
+from tests.cluster.job import AGENT_PORT, NS, HostJob, assert_lost_host_blamed, newest_replica
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # two jobs of ~2 min each, more on a loaded box
 
@@ -69,7 +69,9 @@ def _scenario(cluster: Cluster, tmp: Path, *, prefetch: bool) -> dict[str, Any]:
     job.wait_for(lambda: newest_replica(h0, f"{NS}--rank1") >= 5, 180, "host 0 holds a replica of rank 1's step 5+")
     t_kill = time.time()
     h1.kill()
-    job.wait_for(lambda: any(e["event"] == "fault" for e in job.events(h0.name)), 60, "the survivor notices")
+    fault = job.wait_for(lambda: next((e for e in job.events(h0.name) if e["event"] == "fault"), None), 60,
+                         "the survivor notices")
+    assert_lost_host_blamed(job, h0, fault, t_kill, node=1)
     h2 = cluster.add_host()
     h2.shape(rate_mbit=RATE_MBIT)
     t_launch = time.time()

@@ -115,7 +115,7 @@ def alive(pid: int) -> bool:
 class LocalJob:
     def __init__(self, tmp: Path, shm: Callable[[str], str], *, nnodes: int = 2, train: Sequence[str] = (),
                  run_args: Sequence[str] = (), job_file: Path | None = None, durable: str | None = None,
-                 node_timeout: float = 3.0, max_restarts: int = 3, slots: int | None = None,
+                 node_timeout: float | None = None, max_restarts: int = 3, slots: int | None = None,
                  nnodes_arg: str | None = None) -> None:
         self.tmp = tmp
         self.work = tmp / "work"
@@ -131,6 +131,7 @@ class LocalJob:
         self.run_args = list(run_args)
         self.job_file = job_file
         self.durable = durable
+        #: ``--node-timeout`` when not None; the user's default (10 s) otherwise, as scenarios must run
         self.node_timeout = node_timeout
         self.max_restarts = max_restarts
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
@@ -144,8 +145,10 @@ class LocalJob:
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf=is_host={int(node == 0)}", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.1", f"--namespace={NS}", f"--memory-dir={self.memory[node]}",
-               f"--events={self.events_path(node)}", f"--node-timeout={self.node_timeout}", *self.run_args,
+               f"--events={self.events_path(node)}", *self.run_args,
                *self.per_node_args.get(node, [])]
+        if self.node_timeout is not None:
+            cmd.append(f"--node-timeout={self.node_timeout}")
         if self.job_file is not None:
             cmd.append(f"--job={self.job_file}")
         if self.durable is not None:

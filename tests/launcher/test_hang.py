@@ -82,7 +82,7 @@ def test_idle_evaluation_passes_every_25_steps_are_no_hang(make_job: Callable[..
     it a Hang at 5 s, at every pass; where the ranks wait (their own code, not a collective) says
     it is no stall."""
     job = make_job(train=["--steps", "52", "--step-time", "0.05", "--eval-every", "25", "--eval-s", "8",
-                          "--eval-idle"], node_timeout=10.0)
+                          "--eval-idle"])
     job.start()
     assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
     assert _faults(job) == [], job.report()

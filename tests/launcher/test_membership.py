@@ -46,7 +46,7 @@ def test_hot_spare_takes_the_lost_nodes_rank(make_job: Callable[..., LocalJob],
     # 0.3 s steps (the same trajectory as the reference's 0.1 s: only the pace differs) so that the
     # job outlasts the spare's start-up and warm-up on a loaded machine
     job = make_job(train=["--steps", str(STEPS), "--step-time", "0.3"], run_args=["--replicas", "1"],
-                   node_timeout=3.0, slots=3, nnodes_arg="2:2")
+                   slots=3, nnodes_arg="2:2")
     job.start(order=[0, 1])
     job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(n)) for n in (0, 1)), 120,
                  "nodes 0 and 1 form the job")
@@ -103,7 +103,7 @@ def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
     regroup (no rendezvous round); node 1 comes back, the job grows to 2 nodes at the next poll,
     and that arrival costs no restart (the state file's ``restarts`` stays 1, the lost node's)."""
     steps = 500  # long enough for node 1's agent to start again on a loaded machine while rank 0 trains alone
-    job = make_job(train=["--steps", str(steps), "--global-mode"], node_timeout=3.0, nnodes_arg="1:2")
+    job = make_job(train=["--steps", str(steps), "--global-mode"], nnodes_arg="1:2")
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     job.wait_for(lambda: replica_steps(job.memory[0]), 30, "node 0 holds a replica")

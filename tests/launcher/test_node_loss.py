@@ -86,7 +86,7 @@ def test_relaunched_node_keeps_its_rank(make_job: Callable[..., LocalJob],
                                         fault_free: dict[int, dict[int, str]]) -> None:
     """Item 1: local mode, no replicas (the issue's setting). Node 1 starts first, so torch ranks it
     0 (lower pid); relaunched, it has the higher pid and torch alone would rank it 1."""
-    job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "0"], node_timeout=3.0)
+    job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "0"])
     job.start(order=[1, 0])
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     held = {n: job.group_rank(n) for n in (0, 1)}
@@ -111,7 +111,7 @@ def test_readme_config_recovers_on_two_nodes_by_default(make_job: Callable[..., 
                                                         fault_free: dict[int, dict[int, str]]) -> None:
     """Item 3: global mode, memory tier only, no --replicas and no --durable-url (the README's
     configuration): a worker's SIGKILL, then a lost machine whose replacement has an empty memory tier."""
-    job = make_job(train=["--steps", str(STEPS), "--global-mode"], node_timeout=3.0)
+    job = make_job(train=["--steps", str(STEPS), "--global-mode"])
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     assert all(e["replicas"] == 1 for e in job.events() if e["event"] == "agent"), job.report()
@@ -140,7 +140,7 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     Its reaper claims LostNode and kills the workers at once; the survivor's events name node 1;
     the relaunched node, its memory tier empty, resumes from its peer's replica (``--replicas 1`` as in
     the issue; local mode, the demo's default)."""
-    job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "1"], node_timeout=3.0)
+    job = make_job(train=["--steps", str(STEPS)], run_args=["--replicas", "1"])
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     # replication runs after each commit and lags under load: the kill comes once node 0 holds a

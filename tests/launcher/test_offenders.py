@@ -38,7 +38,7 @@ def _two_crashes_on_node_1(make_job: Callable[..., LocalJob], tmp_path: Path, ma
     fault_file = tmp_path / f"crash-now-{max_avoid}"
     job = make_job(train=["--steps", str(STEPS), "--step-time", "0.3", "--fault", "exit", "--fault-generation", "-1",
                           "--fault-file", str(fault_file), "--fault-limit", "2"],
-                   run_args=["--replicas", "1"], node_timeout=3.0, slots=3, nnodes_arg="2:2",
+                   run_args=["--replicas", "1"], slots=3, nnodes_arg="2:2",
                    job_file=offenders_job_file(tmp_path, max_avoid))
     job.train += ["--fault-memory-dir", job.memory[1]]
     job.start(order=[0, 1])

@@ -167,7 +167,7 @@ def test_crash_on_start_backs_off_then_crash_loop(make_job: Callable[..., LocalJ
 
 
 def test_agent_killed_is_a_lost_node_then_replaced(make_job: Callable[..., LocalJob]) -> None:
-    job = make_job(train=["--steps", "60"], node_timeout=3.0)
+    job = make_job(train=["--steps", "60"])
     job.start()
     job.wait_for(lambda: job.last_step(1) >= 8, 90, "rank 1 reaches step 8")
     job.kill_node(1)  # agent and worker
@@ -237,7 +237,7 @@ def test_hosted_agents_replicate_and_a_lost_node_resumes_from_its_peer(make_job:
     """``tierckpt run --replicas 1``: no durable tier and no ``--peers`` (the hosted agents find each
     other through the rendezvous store); node 1 is lost with its memory root, the replacement's
     rank loads its shards from node 0's replica (tier 'peer')."""
-    job = make_job(train=["--steps", "60", "--global-mode"], node_timeout=3.0)
+    job = make_job(train=["--steps", "60", "--global-mode"])
     job.per_node_args = {n: ["--replicas", "1", "--agent-listen=127.0.0.1:0"] for n in (0, 1)}
     job.start()
     job.wait_for(lambda: job.last_step(1) >= 8, 90, "rank 1 reaches step 8")

@@ -13,7 +13,10 @@ Faults on request (only in generation ``--fault-generation``, rank ``--fault-ran
 ``nan`` (loss NaN at ``--fault-step``),
 ``silent`` (stop printing the loss line after ``--fault-step``), ``exit`` (exit 3 at that step),
 ``hang`` (block forever in a wait at that step, without a heartbeat: the other ranks block in
-their next all-reduce, a collective that never returns), ``raise`` (an exception at that step).
+their next all-reduce, a collective that never returns), ``raise`` (an exception at that step),
+``mismatch`` (at that step, before its all-reduce, a receive from the next rank, which never sends:
+a communication the others never join, every rank then waits in torch, a deadlock), ``spin`` (a
+Python loop that never ends at that step: busy, no heartbeat, the others wait in the all-reduce).
 ``--ballast-mib N``: an N MiB buffer per rank in the saved state (restore timing on a slow link).
 ``--compile``: the model is ``torch.compile``d once per process. ``--inprocess``: the training
 loop runs under ``tierckpt.resilient`` (faults restart it in-process; a fault fires in the
@@ -86,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-mode", action="store_true",
                     help="one global DCP checkpoint (needs a durable tier across nodes); default: local mode")
     ap.add_argument("--fault", default="none",
-                    choices=["none", "crash_on_start", "stall_on_start", "nan", "silent", "exit", "hang", "raise"])
+                    choices=["none", "crash_on_start", "stall_on_start", "nan", "silent", "exit", "hang", "raise",
+                             "mismatch", "spin"])
     ap.add_argument("--fault-step", type=int, default=5)
     ap.add_argument("--fault-generation", type=int, default=0, help="-1: every generation")
     ap.add_argument("--fault-rank", type=int, default=1)
@@ -254,7 +258,7 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                 ballast[at : at + 1024] += step
             value = float(loss)
             due = faulty and (os.path.exists(args.fault_file) if args.fault_file else step >= args.fault_step)
-            if due and args.fault in ("nan", "exit", "raise", "hang"):
+            if due and args.fault in ("nan", "exit", "raise", "hang", "mismatch", "spin"):
                 _trace(trace, "fault", step=step, fault=args.fault, inproc=inproc)
                 if args.fault_limit:
                     with open(work / "faults_done", "a") as f:
@@ -266,6 +270,15 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                 sys.exit(3)
             if due and args.fault == "raise":
                 raise RuntimeError(f"failing at step {step} (as asked)")
+            if due and args.fault == "mismatch":
+                print(f"receiving from rank {(rank + 1) % world}, which never sends, at step {step} (as asked)",
+                      flush=True)
+                dist.recv(torch.zeros(1), src=(rank + 1) % world)
+            if due and args.fault == "spin":
+                print(f"spinning forever at step {step} (as asked)", flush=True)
+                n = 0
+                while n >= 0:
+                    n = (n + 1) % 1000
             if due and args.fault == "hang":
                 print(f"blocking forever at step {step} (as asked)", flush=True)
                 import threading

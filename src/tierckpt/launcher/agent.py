@@ -48,9 +48,11 @@ from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
 from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_ones
+from tierckpt.launcher.decide.faults import FaultRecord, Kind
 from tierckpt.launcher.escalation import Action, Decision, Fault
 from tierckpt.launcher.events import Events, describe_error
-from tierckpt.launcher.hang import LIB_WAIT, USER_WAIT, Profile
+from tierckpt.launcher.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
 from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.logwatch import LineReader
@@ -79,7 +81,7 @@ from tierckpt.launcher.spares import (
     publish_nodes,
     report_round,
 )
-from tierckpt.launcher.symptom import SettleHold, peer_failure, tail
+from tierckpt.launcher.symptom import peer_failure, tail
 from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
@@ -150,7 +152,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._unhealthy_before = 0  # the backoff streak this incarnation began with (escalation.py; state file)
         self._arrivals_seen = 0  # spares.arrivals when this round settled
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
-        self._symptom_hold = SettleHold()  # a crash that is a peer's failure's symptom waits here (symptom.py)
+        self._held_since: float | None = None  # a symptom's settle window began (decide/diagnose.py)
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
         # repeat offenders (avoid.py): faults by node identity, in the store and the state file
@@ -367,7 +369,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                         self._rules[(local_rank, path)] = (LineReader(path), RuleMonitor(rules, now))
         self._calibrated_reported = False
         self._past_marked = False
-        self._symptom_hold = SettleHold()
+        self._held_since = None
 
     def _watch_resume(self) -> None:
         """Tell the store once per generation that this node's ranks moved past the resume bound."""
@@ -400,29 +402,62 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             sig = signal.SIGTERM if self.opts.stop_grace_s > 0 else signal.SIGKILL
             self._pcontext.close(sig, timeout=max(1, int(self.opts.stop_grace_s)))
 
-    # ---- detection ----
+    # ---- detection: every detector's evidence, then one diagnosis (decide/diagnose.py) ----
     def _detect(self, result: RunResult) -> dict[str, Any] | None:
-        wg = self._worker_group
+        """The claim to make at this poll (None: nothing, or a symptom waiting for its cause)."""
         now = time.monotonic()
+        records = self._evidence(result, now)
+        live = self._liveness
+        d = diagnose(records, Poll(node=self.node, now=now, quiet=live.quiet() if live is not None else {},
+                                   lost=tuple(self._lost_now()), held_since=self._held_since))
+        self._held_since = d.held_since
+        return None if d.cause is None else self._claim_of(d)
+
+    def _evidence(self, result: RunResult, now: float) -> list[FaultRecord]:
+        """What each detector sees at this poll, as typed records (decide/faults.py)."""
+        wg = self._worker_group
         by_local = {w.local_rank: w.global_rank for w in wg.workers}
+        out: list[FaultRecord] = []
         late = self._deadline_passed()
         if late is not None:
-            return self._record(late[0], None, late[1], since=None)
+            out.append(FaultRecord(kind=Kind.DEADLINE, reason=late[0], detail=late[1]))
         if result.state == WorkerState.FAILED:
-            rank, failure, symptom = self._primary_failure(result.failures)
-            code = getattr(failure, "exitcode", None)
-            detail = f"exit code {code}" if code is None or code >= 0 else f"killed by {signal.Signals(-code).name}"
-            dog = getattr(self, "_worker_watchdog", None)
-            pid = getattr(failure, "pid", None)
-            if dog is not None and pid in dog.expired:
-                detail += f" (torch's file timer {dog.expired[pid]!r} expired)"
-            # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
-            rec = self._record("Crash", rank, detail,
-                               since=self._woke_at if self._woke_at is not None else self._polled_at)
-            if symptom is None:
-                return rec
-            lost = self._lost_node()  # a lost node explains a peer's failure better
-            return lost if lost is not None else {**rec, "symptom": symptom}
+            out.append(self._crash(result.failures))
+        else:
+            out.extend(self._silent_ranks(now, by_local))
+        if self._liveness is not None:
+            if self._liveness.store_error is not None:
+                out.append(FaultRecord(kind=Kind.LOST_STORE, reason="LostStore", detail=self._liveness.store_error,
+                                       since=now))
+            lost = self._lost_now()
+            if lost:
+                out.append(FaultRecord(kind=Kind.LOST_NODE, reason="LostNode", node=lost[0], lost=tuple(sorted(lost)),
+                                       detail=f"agent(s) of node {lost} silent for {self.opts.node_timeout_s:g}s",
+                                       since=now - self.opts.node_timeout_s))
+        if self._snooze.allows(now, self._scaled_down_at) and \
+                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
+            out.append(FaultRecord(kind=Kind.ARRIVAL, reason=MEMBERSHIP_CHANGE,
+                                   detail="a new agent is waiting in the rendezvous", since=now))
+        return out
+
+    def _crash(self, failures: dict[int, Any]) -> FaultRecord:
+        """A local worker that failed: killed or exited, a symptom when its output shows a peer's failure."""
+        rank, failure, symptom = self._primary_failure(failures)
+        code = getattr(failure, "exitcode", None)
+        killed = isinstance(code, int) and code < 0
+        detail = f"killed by {signal.Signals(-code).name}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+        dog = getattr(self, "_worker_watchdog", None)
+        pid = getattr(failure, "pid", None)
+        if dog is not None and pid in dog.expired:
+            detail += f" (torch's file timer {dog.expired[pid]!r} expired)"
+        # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
+        return FaultRecord(kind=Kind.KILLED if killed else Kind.EXITED, reason="Crash", rank=rank, detail=detail,
+                           since=self._woke_at if self._woke_at is not None else self._polled_at, symptom=symptom,
+                           evidence={"exitcode": code} if isinstance(code, int) else {})
+
+    def _silent_ranks(self, now: float, by_local: dict[int, int]) -> list[FaultRecord]:
+        """Heartbeats, the /proc evidence of silent ranks, where idle ranks wait, and log rules."""
+        out: list[FaultRecord] = []
         for local_rank, tr in self._trackers.items():
             tr.observe(read_beat(os.path.join(self._beat_dir, f"beat_{local_rank}")), now)
         # silent ranks' processes from /proc: stopped, idle or busy (hang.py)
@@ -436,42 +471,65 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 mon.feed(line, now)
             if mon.matched:
                 started.add(local_rank)
-        where = wait_places(self._trackers, self._beat_dir)  # idle ranks: in their own code or in torch
-        user_here = {lr for lr, w in where.items() if w == USER_WAIT}
-        lib_here = {lr for lr, w in where.items() if w == LIB_WAIT}
-        user_there, lib_there = (False, False) if board is None else board.waits(
-            self.generation, self.nnodes, bool(user_here), bool(lib_here),
-            ask=any(tr.idle_suspect() for tr in self._trackers.values()))
+        where = wait_places(self._trackers, self._beat_dir)  # idle ranks: in their own code or in torch, and where
+        mine = {by_local[lr]: w for lr, w in where.items() if lr in by_local}
+        waits = {} if board is None else board.waits(
+            self.generation, self.nnodes, mine, ask=any(tr.idle_suspect() for tr in self._trackers.values()))
+        waits.update(mine)
+        odd = odd_ones(waits)  # the ranks idle where the majority is not (a collective the others never join)
         for local_rank, tr in self._trackers.items():
-            problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started,
-                               where=where.get(local_rank), peer_user_wait=user_there or bool(user_here - {local_rank}),
-                               peer_lib_wait=lib_there or bool(lib_here - {local_rank}))
-            if problem is not None:
-                rec = self._record(problem[0], by_local.get(local_rank), problem[1], since=tr.last_change or tr.start)
-                return {**rec, "stopped": True} if tr.stopped() else rec
+            rank = by_local.get(local_rank)
+            code = where[local_rank][0] if local_rank in where else None
+            others = [c for r, (c, _) in waits.items() if r != rank]
+            problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started, where=code,
+                               peer_user_wait=USER_WAIT in others, peer_lib_wait=LIB_WAIT in others,
+                               peer_save_wait=SAVE_WAIT in others)
+            since = tr.last_change or tr.start
+            idle = round(tr.evidence.idle_for(), 3) if tr.evidence.known else None
+            if problem is None:
+                if code == LIB_WAIT:  # evidence only: the early sign of a peer that is not in the collective
+                    out.append(FaultRecord(kind=Kind.COLLECTIVE_WAIT, reason="Hang", rank=rank, since=since,
+                                           step=tr.step, detail=f"idle in a collective for {idle}s",
+                                           symptom="waits in a collective", evidence={"idle_s": idle}))
+                continue
+            kind = Kind.NON_FINITE if problem[0] == NON_FINITE_LOSS else Kind.STOPPED if tr.stopped() else Kind.STALL
+            detail, symptom = problem[1], None
+            evidence: dict[str, Any] = {"idle_s": idle, "where": code}
+            if kind is Kind.STALL and rank in odd:
+                detail += f"; it waits where ranks {sorted(set(waits) - odd)} do not"
+                evidence["odd_one"] = True
+            elif kind is Kind.STALL and (code == LIB_WAIT or (peer_busy[local_rank] and not tr.evidence.busy())):
+                # it waits for others: the rank(s) waiting elsewhere, or a busy one, are the suspects
+                symptom = "idle in a collective" if code == LIB_WAIT else "waits for a busy rank"
+                if odd:
+                    evidence["suspects"] = sorted(odd)
+                if peer_busy[local_rank]:
+                    evidence["waits_for"] = "a busy rank"
+            out.append(FaultRecord(kind=kind, reason=problem[0], rank=rank, detail=detail, since=since,
+                                   step=tr.step, symptom=symptom, evidence=evidence))
         self._report_calibration()
         for (local_rank, _), (_reader, mon) in self._rules.items():
             verdict = mon.check(now)
             if verdict is not None:
-                return self._record(verdict.reason, by_local.get(local_rank), verdict.detail, since=now)
-        if self._liveness is not None:
-            if self._liveness.store_error is not None:
-                return self._record("LostStore", None, self._liveness.store_error, since=now)
-            lost_node = self._lost_node()
-            if lost_node is not None:
-                return lost_node
-        if self._snooze.allows(now, self._scaled_down_at) and \
-                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
-            return self._record(MEMBERSHIP_CHANGE, None, "a new agent is waiting in the rendezvous", since=now)
-        return None
+                out.append(FaultRecord(kind=Kind.LOG_RULE, reason=verdict.reason, rank=by_local.get(local_rank),
+                                       detail=verdict.detail, since=now))
+        return out
 
-    def _lost_node(self) -> dict[str, Any] | None:
-        """The LostNode record when liveness counts a node lost now, else None."""
-        lost = self._liveness.lost() if self._liveness is not None else []
-        if not lost:
-            return None
-        return {**self._record("LostNode", None, f"agent(s) of node {lost} silent for {self.opts.node_timeout_s:g}s",
-                               since=time.monotonic() - self.opts.node_timeout_s, node=lost[0]), "lost": sorted(lost)}
+    def _claim_of(self, d: Diagnosis) -> dict[str, Any]:
+        """The claim of a diagnosis's cause: today's claim keys, the diagnosis and its evidence."""
+        c = d.cause
+        assert c is not None
+        rec = self._record(str(c.reason), c.rank, c.detail, since=c.since, node=c.node)
+        if c.lost:
+            rec["lost"] = list(c.lost)
+        if c.kind is Kind.STOPPED:
+            rec["stopped"] = True  # no in-process restart can reach a stopped process (replace.route)
+        if c.symptom is not None:
+            rec["symptom"] = c.symptom
+        if d.settle_s is not None:
+            rec["settle_s"] = d.settle_s
+        rec["diagnosis"] = {"cause": c.kind.value, "why": d.why, "evidence": [r.summary() for r in d.evidence]}
+        return rec
 
     def _primary_failure(self, failures: dict[int, Any]) -> tuple[int | None, Any, str | None]:
         """(rank, failure, symptom) of the local failure to name: the first that is no symptom of a
@@ -704,12 +762,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             if claimed is None:
                 local = self._detect(result)
                 self._polled_at = time.monotonic()
-                if local is None:
+                if local is None:  # nothing, or a symptom held for its cause (a peer's own claim is due first)
                     continue
-                if local.get("symptom") is not None:  # a peer's failure: its own claim is due first
-                    local = self._symptom_hold.hold(local, self._polled_at)
-                    if local is None:
-                        continue
                 claimed = self.ctl.claim(self.generation, self._tagged(local))
             outcome = self._recover(claimed)
             if outcome is not None:
@@ -741,7 +795,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._recovering = None
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
                          detection_latency_s=fault.get("detection_latency_s"), **_kind(fault),
-                         **{k: fault[k] for k in ("symptom", "settle_s") if k in fault},
+                         **{k: fault[k] for k in ("symptom", "settle_s", "lost", "diagnosis") if k in fault},
                          heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
         if self._replace_alone(fault, g, t_detect):
             return None

@@ -10,20 +10,22 @@ A rank that waits idle in a collective for a rank of another node which is compu
 evaluation pass on rank 0 alone, a synchronous save) is not hung; hang.py's idle rule asks this
 board before it fires. Keys: ``tierckpt/run/busy/<generation>/<node>`` = ``1`` or ``0``; a new
 generation starts with none. ``waits`` does the same for where idle ranks wait
-(``tierckpt/run/wait/<generation>/<node>``: ``u``, ``l``, both or empty), so that hang.py names
-the rank stalled in its own code, not the ones waiting for it in a collective. An agent that dies while its key says ``1`` is a lost node
+(``tierckpt/run/wait/<generation>/<node>``: ``<global rank>:<code>:<site>`` per idle rank, comma
+separated; waitsample.py), so that hang.py names the rank stalled in its own code, not the ones
+waiting for it in a collective, and the diagnosis names the rank that waits where the others do not. An agent that dies while its key says ``1`` is a lost node
 (control.Liveness), so a stale ``1`` does not excuse a hang for longer than ``--node-timeout``
 before the job restarts anyway.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["BusyBoard"]
 
 _P = "tierckpt/run/busy/"
-_W = "tierckpt/run/wait/"  # b"u": a rank idle in its own code, b"l": idle in torch (a collective)
+_W = "tierckpt/run/wait/"  # b"<rank>:<code>:<site>,...": where this node's idle ranks wait
 
 
 def _store_errors() -> tuple[type[BaseException], ...]:
@@ -47,14 +49,20 @@ class BusyBoard:
     def publish(self, generation: int, busy: bool) -> None:
         self._put(_P, generation, b"1" if busy else b"0", quiet=b"0")
 
-    def waits(self, generation: int, nnodes: int, user: bool, lib: bool, ask: bool) -> tuple[bool, bool]:
-        """Publish whether a rank here is idle in its own code / in torch (waitsample.py; one write
-        when it changes) and, when ``ask``, whether one on another node is: (user, lib)."""
-        self._put(_W, generation, (b"u" if user else b"") + (b"l" if lib else b""), quiet=b"")
+    def waits(self, generation: int, nnodes: int, mine: Mapping[int, tuple[int, int]],
+              ask: bool) -> dict[int, tuple[int, int]]:
+        """Publish where this node's idle ranks wait (``{global rank: (code, site)}``, waitsample.py;
+        one write when it changes) and, when ``ask``, read the other nodes': the same map, merged."""
+        self._put(_W, generation, b",".join(b"%d:%d:%d" % (r, c, s) for r, (c, s) in sorted(mine.items())), quiet=b"")
         if not ask or nnodes < 2:
-            return False, False
-        got = self._others(_W, generation, nnodes)
-        return any(b"u" in v for v in got), any(b"l" in v for v in got)
+            return {}
+        out: dict[int, tuple[int, int]] = {}
+        for value in self._others(_W, generation, nnodes):
+            for entry in value.split(b","):
+                parts = entry.split(b":")
+                if len(parts) == 3 and all(p.isdigit() for p in parts):
+                    out[int(parts[0])] = (int(parts[1]), int(parts[2]))
+        return out
 
     def others_busy(self, generation: int, nnodes: int) -> bool:
         return b"1" in self._others(_P, generation, nnodes)

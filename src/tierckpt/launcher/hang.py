@@ -22,7 +22,9 @@ A heartbeat that is late is not yet a hang. What decides, in this order:
    never looks idle. Where the idle rank's main thread waits (``where``, from tierckpt.waitsample)
    names the culprit: idle in its own code while a rank waits in a collective → this rank's
    ``Hang``; idle in a collective while a rank is idle in its own code → not this one's; every
-   rank idle in its own code (an evaluation waiting on a service) → no hang before the ceiling.
+   rank idle in its own code (an evaluation waiting on a service) → no hang before the ceiling;
+   idle in a tierckpt save, load or wait (``SAVE``: storage I/O, an S3 throttling backoff), or in a
+   collective while a rank is → no hang before the ceiling either.
 4. **ceiling**: a rank that keeps computing without a heartbeat is a hang after ``ceiling_s``, or
    ``max(ceiling_floor_s, ceiling_factor x the longest interval learned)`` (a livelock, a loop
    that never ends).
@@ -41,9 +43,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt.waitsample import LIB as LIB_WAIT
+from tierckpt.waitsample import SAVE as SAVE_WAIT
 from tierckpt.waitsample import USER as USER_WAIT
 
-__all__ = ["LIB_WAIT", "USER_WAIT", "Evidence", "HangPolicy", "Profile", "Sample", "judge"]
+__all__ = ["LIB_WAIT", "SAVE_WAIT", "USER_WAIT", "Evidence", "HangPolicy", "Profile", "Sample", "judge"]
 
 HANG = "Hang"
 
@@ -188,7 +191,7 @@ class Evidence:
 def judge(policy: HangPolicy, profile: Profile, ev: Evidence, *, silent_s: float, step: int | None,
           section: tuple[str, float | None] | None = None, peer_busy: bool = False,
           where: int | None = None, peer_user_wait: bool = False,
-          peer_lib_wait: bool = False) -> tuple[str, str] | None:
+          peer_lib_wait: bool = False, peer_save_wait: bool = False) -> tuple[str, str] | None:
     """(reason, detail) when the evidence shows a hang now, else None; the caller checks ``ev.known`` first.
 
     ``where``: where the rank's main thread waits (waitsample.USER / LIB; None: unknown);
@@ -213,12 +216,15 @@ def judge(policy: HangPolicy, profile: Profile, ev: Evidence, *, silent_s: float
                           f"collective (idle limit {idle_limit:.1f}s)")
         if where == LIB_WAIT and peer_user_wait:
             return None  # it waits for a rank stalled in its own code: that rank is the one reported
-        if where != USER_WAIT:
+        # waiting for a rank whose checkpoint save waits on storage (S3 throttling): the ceiling decides
+        if where not in (USER_WAIT, SAVE_WAIT) and not (where == LIB_WAIT and peer_save_wait):
             return HANG, (f"no CPU or I/O progress for {idle:.1f}s, {after} (idle limit {idle_limit:.1f}s; "
                           "no other rank busy)")
     ceiling = policy.ceiling(profile)
     if silent_s >= ceiling:
         what = "busy" if ev.busy() else ("waiting for a busy rank" if peer_busy else
-                                         "idle in its own code" if where == USER_WAIT else "not idle long enough")
+                                         "idle in its own code" if where == USER_WAIT else
+                                         "waiting on a checkpoint's storage" if where == SAVE_WAIT else
+                                         "not idle long enough")
         return HANG, f"no heartbeat for {silent_s:.1f}s while {what} (ceiling {ceiling:.0f}s), step {step}"
     return None

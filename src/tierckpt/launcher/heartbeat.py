@@ -157,7 +157,8 @@ class BeatTracker:
         return self.evidence.known and self.evidence.stopped_for() >= self.policy.hang.stopped_s
 
     def check(self, now: float, *, peer_busy: bool = False, started: bool = False, where: int | None = None,
-              peer_user_wait: bool = False, peer_lib_wait: bool = False) -> tuple[str, str] | None:
+              peer_user_wait: bool = False, peer_lib_wait: bool = False,
+              peer_save_wait: bool = False) -> tuple[str, str] | None:
         """(reason, detail) when this rank is faulty now, else None.
 
         ``peer_busy``: another rank of the job is silent and busy (hang.py, rule 3). ``started``:
@@ -179,7 +180,8 @@ class BeatTracker:
             self._waited_for_peer = self._waited_for_peer or (peer_busy and self.evidence.idle_for() > 0)
             return judge(self.policy.hang, self.profile, self.evidence, silent_s=silent, step=self.step,
                          section=self.section, peer_busy=peer_busy, where=where,
-                         peer_user_wait=peer_user_wait, peer_lib_wait=peer_lib_wait)
+                         peer_user_wait=peer_user_wait, peer_lib_wait=peer_lib_wait,
+                         peer_save_wait=peer_save_wait)
         if self.section is not None and self.section[1] is not None and self.policy.fixed_timeout_s is None:
             limit = max(limit, self.section[1])
         if silent > limit:

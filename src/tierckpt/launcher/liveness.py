@@ -4,7 +4,10 @@ Keys, under ``tierckpt/run/live/<epoch>/`` of the rendezvous store (``epoch``: t
 agreed at the rendezvous round, so a verdict of an older membership is never read):
 
     beat/<node>   an agent's counter: ``add(1)`` once per interval, by that agent only
-    verdict       the watcher's verdict, ``{"seq", "watcher", "lost"}``: ``set`` once per interval
+    verdict       the watcher's verdict, ``{"seq", "watcher", "lost", "quiet"}``: ``set`` once per
+                  interval; ``quiet`` maps the nodes silent for ``QUIET_S`` (1 s) of regular reads to
+                  their seconds of silence (the early sign a local symptom is weighed against,
+                  decide/diagnose.py); ``lost`` lists those silent for ``timeout_s``
 
 Call order, on every agent:
 
@@ -12,6 +15,7 @@ Call order, on every agent:
     live.start()                                # its thread: its own store client, see below
     live.reset(node, nodes, epoch=generation)   # after every rendezvous round
     live.lost()                                 # every monitor tick; no store operation
+    live.quiet()                                # ... the nodes silent for a second or more, by seconds
     live.store_error                            # set when the store is unreachable for timeout_s
     live.close()
 
@@ -34,10 +38,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Liveness", "Silence", "Verdict", "store_error_types"]
+__all__ = ["QUIET_S", "Liveness", "Silence", "Verdict", "store_error_types"]
 
 _P = "tierckpt/run/live/"
 _ABSENT = b"\x00absent"  # compare_set's expected value: a key that is missing reads as this
+#: an agent silent this long is listed in the verdict's ``quiet`` (its seconds of silence)
+QUIET_S = 1.0
 
 
 def store_error_types() -> tuple[type[BaseException], ...]:
@@ -62,10 +68,12 @@ class Silence:
     Call order, per read of every counter: ``read(now)``, then ``observe(node, value, now)`` for
     each; ``silent(now)`` with the time of the last read."""
 
-    def __init__(self, nodes: Iterable[int], timeout_s: float, now: float) -> None:
+    def __init__(self, nodes: Iterable[int], timeout_s: float, now: float, *, regular_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        self.regular_s = regular_s  # reads further apart than this: the reader stalled (``quiet`` starts over)
         self._last: dict[int, tuple[Any, float]] = {n: (None, now) for n in nodes}
         self.read_at = now
+        self._steady = now  # reads have come at most ``regular_s`` apart since then
 
     def read(self, now: float) -> None:
         """A read of every counter begins. After a gap longer than ``timeout_s`` (this watcher's
@@ -74,6 +82,8 @@ class Silence:
         evidence, since its writer may have stalled with the reader."""
         if now - self.read_at > self.timeout_s:
             self._last = {n: (v, now) for n, (v, _) in self._last.items()}
+        if self.regular_s is not None and now - self.read_at > self.regular_s:
+            self._steady = now
         self.read_at = now
 
     def observe(self, node: int, value: Any, now: float) -> None:
@@ -88,6 +98,16 @@ class Silence:
     def silent(self, now: float) -> list[int]:
         return sorted(n for n, (_, t) in self._last.items() if now - t > self.timeout_s)
 
+    def quiet(self, now: float, at_least: float) -> dict[int, float]:
+        """Counters unchanged for ``at_least`` seconds of regular reads, by seconds (the early sign of
+        a lost node that ``diagnose`` weighs against a local symptom; ``silent`` is the verdict)."""
+        out = {}
+        for n, (_, t) in self._last.items():
+            span = now - max(t, self._steady)
+            if span >= at_least:
+                out[n] = round(span, 3)
+        return out
+
 
 @dataclass
 class Verdict:
@@ -99,6 +119,7 @@ class Verdict:
     raw: bytes | None = None
     watcher: int | None = None
     published_lost: list[int] = field(default_factory=list)
+    published_quiet: dict[int, float] = field(default_factory=dict)
     started: bool = False  #: read once (Liveness moves ``since`` to its first read)
     read_at: float | None = None  #: the last read (a gap longer than ``timeout_s`` starts over)
 
@@ -111,6 +132,7 @@ class Verdict:
         self.raw, self.since = raw, now
         doc = json.loads(raw)
         self.watcher, self.published_lost = int(doc["watcher"]), [int(n) for n in doc["lost"]]
+        self.published_quiet = {int(n): float(q) for n, q in (doc.get("quiet") or {}).items()}
 
     def stale(self, now: float) -> bool:
         return self.started and now - self.since > self.timeout_s
@@ -161,6 +183,18 @@ class Liveness:
             self._read_at = time.monotonic()
             self._verdict = Verdict(sorted(nodes), self.timeout_s, self._read_at)
             self._watch, self._watch_since_lost, self._all_beat = None, [], False
+
+    def quiet(self) -> dict[int, float]:
+        """Other group ranks whose agents have been silent for ``QUIET_S`` or more, by seconds of
+        silence, as of the last verdict (the watcher's own reading when this agent watches); none
+        while the verdict itself is stale."""
+        with self._lock:
+            now = self._read_at
+            if self._watch is not None:
+                quiet = self._watch.quiet(now, QUIET_S)
+            else:
+                quiet = {} if self._verdict.stale(now) else dict(self._verdict.published_quiet)
+        return {n: s for n, s in quiet.items() if n != self.node}
 
     def lost(self) -> list[int]:
         """The other group ranks silent for longer than ``timeout_s``, as of this agent's last
@@ -220,7 +254,8 @@ class Liveness:
                 self._watch = None
                 return
             if self._watch is None:  # taking over (or first to watch): every peer starts now
-                self._watch = Silence([n for n in v.nodes if n != node], self.timeout_s, now)
+                self._watch = Silence([n for n in v.nodes if n != node], self.timeout_s, now,
+                                      regular_s=3 * self.interval_s)
                 self._watch_since_lost = v.known_lost(now)
             peers = self._watch.nodes
         values = self._read_beats(store, epoch, peers)
@@ -233,7 +268,8 @@ class Liveness:
             for n, value in values.items():
                 self._watch.observe(n, value, now)
             self._seq += 1
-            doc = json.dumps({"seq": self._seq, "watcher": node, "lost": self._watch_lost(now)}).encode()
+            doc = json.dumps({"seq": self._seq, "watcher": node, "lost": self._watch_lost(now),
+                              "quiet": self._watch.quiet(now, QUIET_S)}).encode()
         store.set(verdict_key(epoch), doc)
 
     def _read_beats(self, store: Any, epoch: int, peers: list[int]) -> dict[int, bytes]:

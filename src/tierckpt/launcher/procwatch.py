@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from tierckpt.launcher.hang import Sample
-from tierckpt.waitsample import read_where
+from tierckpt.waitsample import read_wait
 
 if TYPE_CHECKING:
     from tierckpt.launcher.heartbeat import BeatTracker
@@ -124,13 +124,14 @@ def sample_ranks(trackers: Mapping[int, BeatTracker], pids: Mapping[int, int], n
     return {lr: elsewhere or bool(busy - {lr}) for lr in trackers}
 
 
-def wait_places(trackers: Mapping[int, BeatTracker], beat_dir: str) -> dict[int, int]:
-    """{local rank: where its main thread waits (waitsample.USER / LIB)} for the ranks that are
-    silent and idle now (a second or more without CPU or I/O) and whose sampler wrote lately."""
-    out: dict[int, int] = {}
+def wait_places(trackers: Mapping[int, BeatTracker], beat_dir: str) -> dict[int, tuple[int, int]]:
+    """{local rank: (where its main thread waits: waitsample.USER / LIB, the wait's site)} for the
+    ranks that are silent and idle now (a second or more without CPU or I/O) and whose sampler
+    wrote lately."""
+    out: dict[int, tuple[int, int]] = {}
     for local_rank, tr in trackers.items():
         if tr.evidence.known and tr.evidence.idle_for() >= 1.0:
-            code = read_where(os.path.join(beat_dir, f"where_{local_rank}"))
-            if code is not None:
-                out[local_rank] = code
+            got = read_wait(os.path.join(beat_dir, f"where_{local_rank}"))
+            if got is not None:
+                out[local_rank] = got
     return out

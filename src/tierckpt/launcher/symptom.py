@@ -5,30 +5,21 @@ gloo, an aborted NCCL communicator) and they exit non-zero too. Each node's agen
 worker's exit; whichever claims first names the cause, so the healthy node was blamed whenever its
 agent won the race (seen in CI under load: the offender policy counted the wrong node).
 
-``peer_failure(text)`` reads the end of a failed worker's output for those messages. A crash that
-shows one is *held* for a short settle window (``SETTLE_S``) before it is claimed: the node whose
-worker really failed claims within milliseconds of its SIGCHLD, and the holding agent follows that
-claim; a lost node found by liveness meanwhile is claimed instead. Only when nothing else explains
-it within the window is the symptom claimed itself (``symptom`` names the line that showed it).
-A crash without such a line (an exception of its own, a signal, ``os._exit``) is claimed at once.
+``peer_failure(text)`` reads the end of a failed worker's output for those messages; the agent
+marks such a crash's record as a symptom, and ``decide/diagnose.py`` holds it for a short settle
+window before it is claimed: the node whose worker really failed claims within milliseconds of its
+SIGCHLD and the holding agent follows that claim; a silent or lost node is claimed instead. A
+crash without such a line (an exception of its own, a signal, ``os._exit``) is claimed at once.
 
-Call order (the agent's loop, per generation): ``hold = SettleHold()`` at the start of each
-generation; on every poll that finds a symptom crash, ``hold.hold(record, now)``: None while the
-window lasts (keep polling the claims), then the first such record, to be claimed; a fault claimed
-by anyone ends the generation and the hold with it.
+Call order: ``peer_failure(tail(path))`` on a failed worker's stderr, then its stdout.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Any
 
-__all__ = ["SETTLE_S", "SettleHold", "peer_failure", "tail"]
-
-#: how long a symptom crash waits for the claim of its cause (a peer's crash arrives in ms; the
-#: window bounds what a symptom without a cause adds to recovery)
-SETTLE_S = 3.0
+__all__ = ["peer_failure", "tail"]
 
 # the ways a collective or the workers' store reports a peer that went away (gloo, NCCL, c10d)
 _PEER_GONE = re.compile(
@@ -59,21 +50,3 @@ def peer_failure(text: str) -> str | None:
         if _PEER_GONE.search(line):
             return line.strip()[:200]
     return None
-
-
-class SettleHold:
-    """The settle window of the symptom crash seen first in a generation."""
-
-    def __init__(self, settle_s: float = SETTLE_S) -> None:
-        self.settle_s = settle_s
-        self.since: float | None = None
-        self.first: dict[str, Any] | None = None
-
-    def hold(self, record: dict[str, Any], now: float) -> dict[str, Any] | None:
-        """None while the window since the first symptom lasts; then that first record (its
-        detection time is the crash's), with ``settle_s`` the time it was held."""
-        if self.first is None or self.since is None:
-            self.since, self.first = now, record
-        if now - self.since < self.settle_s:
-            return None
-        return {**self.first, "settle_s": round(now - self.since, 3)}

@@ -77,6 +77,44 @@ def test_a_gap_in_the_reads_longer_than_the_timeout_starts_silence_over() -> Non
     assert v.known_lost(4.1) == [0] and v.designated(4.1) == 1
 
 
+def test_quiet_lists_counters_silent_for_a_second_of_regular_reads() -> None:
+    s = Silence([1, 2], timeout_s=10.0, now=0.0, regular_s=1.5)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.5):
+        s.read(t)
+        s.observe(1, b"1", t)  # node 1 stopped beating at 0.5 (its first value)
+        s.observe(2, str(t).encode(), t)
+    assert s.quiet(2.5, 1.0) == {1: 2.0} and s.quiet(2.5, 2.1) == {} and s.silent(2.5) == []
+    s.read(4.5)  # the reader stalled 2 s: what it missed is no evidence, the quiet span starts over
+    s.observe(1, b"1", 4.5)
+    s.observe(2, b"x", 4.5)
+    assert s.quiet(4.5, 0.1) == {}
+    s.read(5.0)
+    s.observe(1, b"1", 5.0)
+    s.observe(2, b"y", 5.0)
+    assert s.quiet(5.6, 1.0) == {1: 1.1}  # 1.1 s since the reads became regular again
+    v = Verdict([0, 1, 2], timeout_s=10.0, since=0.0, started=True)
+    v.read(json.dumps({"seq": 3, "watcher": 0, "lost": [], "quiet": {"2": 1.6}}).encode(), 1.0)
+    assert v.published_quiet == {2: 1.6}
+    v.read(json.dumps({"seq": 4, "watcher": 0, "lost": []}).encode(), 1.5)  # an older agent's verdict
+    assert v.published_quiet == {}
+
+
+def test_a_silent_agent_is_quiet_on_every_agent_within_two_intervals_of_a_second() -> None:
+    store = _server()
+    agents = _Agents(store.port, 3, interval_s=0.05, timeout_s=5.0)
+    a0, a1, a2 = agents.agents
+    try:
+        assert _until(lambda: all(a.ticks >= 3 for a in agents.agents))
+        assert all(a.quiet() == {} for a in agents.agents)
+        a2.close()
+        t = time.monotonic()
+        assert _until(lambda: 2 in a0.quiet() and 2 in a1.quiet())
+        assert time.monotonic() - t < 4.0 and a1.lost() == [] and a1.quiet()[2] >= 1.0
+        assert 0 not in a1.quiet() and 1 not in a0.quiet()
+    finally:
+        agents.close()
+
+
 class _Agents:
     """``n`` Liveness threads, each with its own counted client of one real TCPStore."""
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,14 @@ from tierckpt.monitor import Beat
 from tierckpt.waitsample import LIB, USER, classify, read_where
 
 
-def _frame_in(filename: str) -> object:
-    code = compile("import sys\nf = sys._getframe()", filename, "exec")
-    scope: dict[str, object] = {}
-    exec(code, scope)  # noqa: S102 - a frame whose code claims to live in ``filename``
+def _frame_in(filename: str, caller: tuple[str, int] | None = None) -> Any:
+    """A frame whose code claims to live in ``filename``; with ``caller`` (file, line), called from
+    a frame that claims to be that line of that file."""
+    scope: dict[str, Any] = {}
+    exec(compile("import sys\ndef inner():\n    return sys._getframe()\n", filename, "exec"), scope)  # noqa: S102
+    if caller is None:
+        return scope["inner"]()
+    exec(compile("\n" * (caller[1] - 1) + "f = inner()", caller[0], "exec"), scope)  # noqa: S102
     return scope["f"]
 
 
@@ -103,11 +108,79 @@ def test_wait_board_on_a_real_store() -> None:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
     a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)
-    assert a.waits(2, 2, False, False, ask=True) == (False, False)  # nobody published (no blocking get)
-    assert b.waits(2, 2, True, False, ask=False) == (False, False)  # published, not asked
-    assert a.waits(2, 2, False, True, ask=True) == (True, False)
-    assert b.waits(2, 2, True, False, ask=True) == (False, True)
-    assert a.waits(3, 2, False, False, ask=True) == (False, False)  # per generation
-    assert b.waits(2, 2, False, False, ask=True) == (False, True)  # b's own key cleared; a still waits in torch
-    assert a.waits(2, 2, False, False, ask=True) == (False, False)
-    assert a.waits(2, 1, False, False, ask=True) == (False, False)  # one node: nobody else
+    u, lib = (USER, 11), (LIB, 22)
+    assert a.waits(2, 2, {}, ask=True) == {}  # nobody published (no blocking get)
+    assert b.waits(2, 2, {1: u}, ask=False) == {}  # published, not asked
+    assert a.waits(2, 2, {0: lib}, ask=True) == {1: u}
+    assert b.waits(2, 2, {1: u}, ask=True) == {0: lib}
+    assert a.waits(3, 2, {}, ask=True) == {}  # per generation
+    assert b.waits(2, 2, {}, ask=True) == {0: lib}  # b's own key cleared; a still waits in torch
+    assert a.waits(2, 2, {}, ask=True) == {}
+    assert a.waits(2, 1, {}, ask=True) == {}  # one node: nobody else
+    assert b.waits(4, 2, {1: u, 5: (LIB, 4294967295)}, ask=False) == {}  # several ranks, a 32-bit site
+    assert a.waits(4, 2, {}, ask=True) == {1: u, 5: (LIB, 4294967295)}
+
+
+def test_the_site_tells_apart_two_waits_in_the_same_library_call() -> None:
+    """Two frames inside torch called from different user lines have different sites; the same
+    line has the same site; a USER frame's site is its own line."""
+    from tierckpt.waitsample import site
+
+    lib = os.path.join(os.sep, "venv", "site-packages", "torch", "distributed", "distributed_c10d.py")
+    first, again, other = (_frame_in(lib, caller=("/home/me/train.py", line)) for line in (10, 10, 12))
+    assert site(first) == site(again) != site(other) != 0
+    assert site(None) == 0
+    assert site(_frame_in("/home/me/train.py")) != site(first)
+
+
+def test_odd_ones_are_the_ranks_that_wait_where_the_majority_does_not() -> None:
+    from tierckpt.launcher.decide.diagnose import odd_ones
+
+    ar, recv = (LIB, 1), (LIB, 2)
+    assert odd_ones({0: ar, 1: recv, 2: ar}) == {1}
+    assert odd_ones({0: ar, 1: recv, 2: ar, 3: ar, 4: (USER, 9)}) == {1, 4}
+    assert odd_ones({0: ar, 1: recv}) == frozenset()  # two ranks: no majority
+    assert odd_ones({0: ar, 1: recv, 2: (LIB, 3), 3: (LIB, 4)}) == frozenset()  # all differ
+    assert odd_ones({0: ar, 1: ar, 2: recv, 3: recv}) == frozenset()  # a tie
+    assert odd_ones({0: ar, 1: ar, 2: ar}) == frozenset()  # all alike: a deadlock with no odd one
+
+
+def _stack(*files: str) -> Any:
+    """The innermost frame of a call chain through ``files`` (outermost first), each frame's code
+    claiming to live in its file."""
+    scope: dict[str, Any] = {"sys": sys}
+    for i, name in enumerate(reversed(files)):  # innermost first: each calls the one defined before it
+        body = "    return sys._getframe()\n" if i == 0 else f"    return f{i - 1}()\n"
+        exec(compile(f"def f{i}():\n{body}", name, "exec"), scope)  # noqa: S102
+    return scope[f"f{len(files) - 1}"]()
+
+
+def test_where_a_whole_stack_waits_skips_the_standard_library() -> None:
+    import threading
+
+    from tierckpt.waitsample import SAVE, where
+
+    site_pkgs = os.path.join(os.sep, "venv", "lib", "python3.11", "site-packages")
+    torch_c10d = os.path.join(site_pkgs, "torch", "distributed", "distributed_c10d.py")
+    ckpt = os.path.join(site_pkgs, "tierckpt", "checkpointer.py")
+    s3_retry = os.path.join(site_pkgs, "tierckpt", "tiers", "s3_retry.py")
+    resilient = os.path.join(site_pkgs, "tierckpt", "inprocess.py")
+    stdlib_threading = threading.__file__
+    train = "/home/me/train.py"
+    assert where(_stack(train, stdlib_threading)) == USER  # the user's own Event.wait
+    assert where(_stack(train, torch_c10d)) == LIB  # a collective
+    assert where(_stack(train, ckpt, stdlib_threading)) == SAVE  # ck.wait() on a save in flight
+    assert where(_stack(train, ckpt, s3_retry)) == SAVE  # a synchronous save's S3 backoff
+    assert where(_stack(train, ckpt, torch_c10d)) == SAVE  # a save's own collective
+    assert where(_stack(resilient, train, torch_c10d)) == LIB  # under tierckpt.resilient: still the user's collective
+    assert where(_stack(resilient, train)) == USER
+    assert where(None) == USER
+
+
+def test_a_save_waiting_on_storage_is_no_hang_and_neither_are_the_ranks_waiting_for_it() -> None:
+    from tierckpt.waitsample import SAVE
+
+    got = _idle_rank(400, where=SAVE)
+    assert got is not None and got[0] == pytest.approx(300.0, abs=0.15) and "checkpoint's storage" in got[1][1], got
+    got = _idle_rank(400, where=LIB, peer_save_wait=True)
+    assert got is not None and got[0] == pytest.approx(300.0, abs=0.15), got
