@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from tierckpt import workerenv
 from tierckpt.errors import ConfigError
 
 __all__ = [
@@ -37,10 +38,10 @@ DEFAULT_MEMORY_DIR = "/dev/shm/tierckpt"
 
 #: the variables ``tierckpt run`` exports to its workers, by the CheckpointConfig field they fill
 LAUNCHER_ENV = {
-    "namespace": "TIERCKPT_NAMESPACE",
-    "memory_dir": "TIERCKPT_MEMORY_DIR",
-    "durable_url": "TIERCKPT_DURABLE_URL",
-    "resume_before": "TIERCKPT_RESUME_BEFORE",
+    "namespace": workerenv.NAMESPACE,
+    "memory_dir": workerenv.MEMORY_DIR,
+    "durable_url": workerenv.DURABLE_URL,
+    "resume_before": workerenv.RESUME_BEFORE,
 }
 
 
@@ -261,7 +262,7 @@ class CheckpointConfig:
         launcher = {} if _replacing.get() else launcher_settings()
         # a conflict is worth a warning only in a worker of tierckpt run (it sets the generation);
         # elsewhere (a shell's TIERCKPT_* for the CLI, the node agent) explicit values are just values
-        in_worker = bool(launcher) and os.environ.get("TIERCKPT_GENERATION") is not None
+        in_worker = bool(launcher) and os.environ.get(workerenv.GENERATION) is not None
         unset = {"namespace": type(self.namespace) is _Unset, "memory_dir": type(self.memory_dir) is _Unset,
                  "durable_url": type(self.durable_url) is _Unset, "resume_before": self.resume_before is None}
         for name, is_unset in unset.items():

@@ -54,16 +54,13 @@ from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 
-from tierckpt import monitor
+from tierckpt import monitor, workerenv
 from tierckpt.dcp import plancache
 from tierckpt.errors import InProcessRestartError, RestartRequested
 
 __all__ = ["Generation", "Resilient", "resilient"]
 
 T = TypeVar("T")
-REQUEST_FILE = "inproc_request"  # written by tierckpt run: an increasing request counter
-STORE_ENV = "TIERCKPT_INPROC_STORE"  # host:port/scope of the agent-hosted store (tierckpt run)
-JOIN_ENV = "TIERCKPT_INPROC_JOIN"  # set on a replacement process: the fault it replaces a rank for
 _SIGNAL = signal.SIGUSR2
 _POLL_S = 0.05
 _GRACE_S = 0.3  # a rank inside a collective leaves it by the abort; the signal is for the others
@@ -126,14 +123,14 @@ class Resilient(Generic[T]):
     def __call__(self) -> T:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store, watch_store, self._keys = _connect(rank, world, self.rejoin_timeout_s)
-        monitor_dir = os.environ.get("TIERCKPT_MONITOR_DIR")
+        monitor_dir = os.environ.get(workerenv.MONITOR_DIR)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        report = os.path.join(monitor_dir, f"inproc_{local_rank}.jsonl") if monitor_dir else None
+        report = os.path.join(monitor_dir, workerenv.inproc_report(local_rank)) if monitor_dir else None
         previous = signal.signal(_SIGNAL, self._on_signal)
-        joining = os.environ.get(JOIN_ENV) if os.environ.get(STORE_ENV) else None
+        joining = os.environ.get(workerenv.INPROC_JOIN) if os.environ.get(workerenv.INPROC_STORE) else None
         gen = Generation(0, rank, world) if not joining else self._join(store, joining, rank, world, report)
         _report(report, event="ready", k=gen.index, rank=rank, pid=os.getpid(),
-                store="agent" if os.environ.get(STORE_ENV) else "rank0")
+                store="agent" if os.environ.get(workerenv.INPROC_STORE) else "rank0")
         try:
             while True:
                 t_pg = time.time()
@@ -206,7 +203,7 @@ class Resilient(Generic[T]):
     def _watch(self, store: Any, k: int, aborter: _Aborter, monitor_dir: str | None) -> None:
         """Watchdog thread: a peer's fault key or the launcher's request aborts the group."""
         key = f"{self._keys}{k}/fault"
-        request = os.path.join(monitor_dir, REQUEST_FILE) if monitor_dir else None
+        request = os.path.join(monitor_dir, workerenv.INPROC_REQUEST) if monitor_dir else None
         seen = _read_counter(request)
         while not self._fault.wait(_POLL_S):
             reason = None
@@ -267,12 +264,12 @@ def _connect(rank: int, world: int, timeout_s: float) -> tuple[Any, Any, str]:
     """(store, the watchdog's store, key prefix): the agent-hosted store when ``tierckpt run``
     names one (``TIERCKPT_INPROC_STORE``), else the job's ``MASTER_ADDR:MASTER_PORT`` hosted by rank 0."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    hosted = os.environ.get(STORE_ENV)
+    hosted = os.environ.get(workerenv.INPROC_STORE)
     if hosted:
         addr, _, scope = hosted.partition("/")
         where, _, digits = addr.rpartition(":")
         if not where or not digits.isdigit() or not scope:
-            raise InProcessRestartError(f"{STORE_ENV}={hosted!r} is not host:port/scope; unset it to use "
+            raise InProcessRestartError(f"{workerenv.INPROC_STORE}={hosted!r} is not host:port/scope; unset it to use "
                                         "MASTER_ADDR/MASTER_PORT", generation=0)
         stores = [dist.TCPStore(where, int(digits), None, False, timeout=timeout,  # type: ignore[attr-defined]
                                 wait_for_workers=False) for _ in range(2)]

@@ -36,6 +36,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from tierckpt import workerenv
+
 __all__ = ["NON_FINITE_LOSS", "Beat", "SaveWatch", "beat", "read_beat", "saved", "section", "set_non_finite_hook",
            "step", "watch_save"]
 
@@ -173,9 +175,9 @@ def _get_writer() -> _Writer | None:
     if _writer_pid == pid:
         return _writer
     _writer_pid = pid
-    directory = os.environ.get("TIERCKPT_MONITOR_DIR")
+    directory = os.environ.get(workerenv.MONITOR_DIR)
     local_rank = os.environ.get("LOCAL_RANK", "0")
-    _writer = _Writer(os.path.join(directory, f"beat_{int(local_rank)}")) if directory else None
+    _writer = _Writer(os.path.join(directory, workerenv.beat_file(int(local_rank)))) if directory else None
     if directory:  # where the main thread waits when it is silent (waitsample.py)
         from tierckpt import waitsample
 

@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt import fallback, guard, localmode, metrics, monitor
+from tierckpt import guard, localmode, metrics, monitor
+from tierckpt.dcp import fallback
 from tierckpt.dcp.plancache import CachedSavePlanner
-from tierckpt.dcp.writer import TieredStorageWriter
+from tierckpt.dcp.writer import DurableWriter, TieredStorageWriter
 from tierckpt.drain import DrainQueue
 from tierckpt.errors import NonFiniteLossError
 from tierckpt.handles import SaveHandle, settle
@@ -246,7 +247,7 @@ class SavePath:
         future.add_done_callback(lambda f: _chain(f, handle._future))
 
 
-    # -- the durable fallback (fallback.py) ---------------------------------------------
+    # -- the durable fallback (dcp/fallback.py) -----------------------------------------
     @property
     def _can_fall_back(self) -> bool:
         return self.runtime.config.durable_url is not None
@@ -262,7 +263,7 @@ class SavePath:
     def _save_durable_only(self, step: int, snap: Snapshot, handle: SaveHandle, watch: monitor.SaveWatch) -> None:
         """Every rank writes ``step`` from its copy to the durable tier in one DCP save; settle ``handle``."""
         t0 = time.perf_counter()
-        writer = fallback.DurableWriter(self.runtime.config, step=step, durable=True, _runtime=self.runtime)
+        writer = DurableWriter(self.runtime.config, step=step, durable=True, _runtime=self.runtime)
         writer._snapshot, writer._gate, writer._commit_nodes = snap, watch.reason, False
         self._saves += 1
         writer._save_seq = self._saves

@@ -175,8 +175,8 @@ def test_dcp_plugin_memory_commit_out_of_space_falls_back(small_tmpfs: Any, dura
 def test_only_memory_tier_failures_fall_back() -> None:
     import errno
 
+    from tierckpt.dcp.fallback import memory_failure
     from tierckpt.errors import CheckpointFailedError, DurableWriteError, MemoryBudgetError
-    from tierckpt.fallback import memory_failure
 
     full = OSError(errno.ENOSPC, "No space left on device")
     wrapped = CheckpointFailedError("checkpoint of step 1 failed")

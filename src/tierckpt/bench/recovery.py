@@ -40,24 +40,18 @@ are in the report); 1 a figure that should exist is missing (a job did not start
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import signal
 import statistics
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from tierckpt.bench import recovery_faults
-from tierckpt.bench.twonode import RANKS, JobTimeout, TwoNodeJob
-from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.bench.harness.recovery_job import RecoveryJob, scratch, torch_version
+from tierckpt.bench.twonode import RANKS, JobTimeout
 
 __all__ = ["main"]
 
@@ -73,37 +67,6 @@ _STAGE_LABELS = {"detect": "kill -> fault event (detection)", "stop": "-> worker
                  "load": "-> model built, state loaded from memory", "first_step": "-> first step on both ranks"}
 _GOALS = {"cold": 0.5, "warm": 0.3}  # x torchrun (issue 7, issue 9)
 _START_S, _RECOVER_S = 180.0, 120.0  # generous: the machine may be shared
-
-
-class _Job(TwoNodeJob):
-    """``TwoNodeJob`` with the launcher modes of this benchmark: warm, cold (``--no-warm``), torchrun."""
-
-    def __init__(self, mode: str, root: Path, shm_parent: Path, *, steps: int, step_time: float) -> None:
-        super().__init__("torchrun" if mode == "torchrun" else "tierckpt", root, shm_parent, steps=steps,
-                         step_time=step_time)
-        self.mode = mode
-
-    def command(self, node: int) -> list[str]:
-        cmd = super().command(node)
-        return [*cmd[:4], "--no-warm", *cmd[4:]] if self.mode == "cold" else cmd  # [python, -m, tierckpt.cli, run]
-
-    def close(self) -> None:
-        """``TwoNodeJob.close``, then every traced worker still alive: a warm worker's command line
-        is its standby's, so the search by work directory does not find one orphaned by its agent."""
-        super().close()
-        for pid in self.pids():
-            kill_if_standby(pid)
-
-    def standbys_ready(self) -> bool:
-        """Each agent reported a standby whose imports finished after its last (re)start."""
-        ev = self.events()
-        for node in (0, 1):
-            mine = [e for e in ev if e.get("node") == node]
-            starts = [e["time"] for e in mine if e["event"] in ("started", "restart")]
-            if not starts or not any(e["event"] == "standby" and "ready" in e and e["time"] > max(starts)
-                                     for e in mine):
-                return False
-        return True
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -139,12 +102,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--shm-dir {args.shm_dir!r} is not a directory; point it at a tmpfs such as /dev/shm")
     runs: list[dict[str, Any]] = []
     load_start = os.getloadavg()
-    with _scratch(args.shm_dir, args.logs) as (logs, shm):
+    with scratch(args.shm_dir, args.logs) as (logs, shm):
         for rnd in range(args.rounds):
             for scenario in scenarios:
                 order = _RUNS[scenario][rnd % len(_RUNS[scenario]):] + _RUNS[scenario][:rnd % len(_RUNS[scenario])]
                 for launcher in order:
-                    job = _Job(launcher, logs / f"r{rnd}-{scenario}-{launcher}", shm,
+                    job = RecoveryJob(launcher, logs / f"r{rnd}-{scenario}-{launcher}", shm,
                                steps=args.fault_step + int(240 / args.step_time), step_time=args.step_time)
                     runs.append({"round": rnd, "scenario": scenario, "launcher": launcher,
                                  **_run_one(job, scenario, args)})
@@ -153,14 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     doc.update(argv=list(sys.argv[1:] if argv is None else argv),
                env={"cpus": os.cpu_count(), "load_average_start": list(load_start),
                     "load_average_end": list(os.getloadavg()), "python": sys.version.split()[0],
-                    "torch": _torch_version()})
+                    "torch": torch_version()})
     print(format_report(doc))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 1 if doc["failures"] else 0
 
 
-def _run_one(job: _Job, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
+def _run_one(job: RecoveryJob, scenario: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         if scenario == "nan":
             recovery_faults.prepare_nan(job)
@@ -185,7 +148,7 @@ def _run_one(job: _Job, scenario: str, args: argparse.Namespace) -> dict[str, An
         job.close()
 
 
-def _crash(job: _Job) -> dict[str, Any]:
+def _crash(job: RecoveryJob) -> dict[str, Any]:
     rank, pid = job.victim(node=1)
     old = job.pids()
     t_kill = time.time()
@@ -205,7 +168,7 @@ def _crash(job: _Job) -> dict[str, Any]:
     return out
 
 
-def _stages(job: _Job, t_kill: float, old: set[int], t_first: float) -> dict[str, float]:
+def _stages(job: RecoveryJob, t_kill: float, old: set[int], t_first: float) -> dict[str, float]:
     """The recovery split at each milestone's slowest node or rank; the stages add up to the total."""
     def latest(event: str) -> float:
         found = job.first_after(event, old) or {}
@@ -218,7 +181,7 @@ def _stages(job: _Job, t_kill: float, old: set[int], t_first: float) -> dict[str
     return {stage: marks[i + 1] - marks[i] for i, stage in enumerate(STAGES)}
 
 
-def _hang(job: _Job, cap: float) -> dict[str, Any]:
+def _hang(job: RecoveryJob, cap: float) -> dict[str, Any]:
     if job.launcher == "tierckpt":
         job.wait_for(lambda: len({e["node"] for e in job.events("timeout")}) == 2, 60,
                      "both agents to calibrate the heartbeat timeout")
@@ -332,38 +295,6 @@ def format_report(doc: dict[str, Any]) -> str:
     for f in doc["failures"]:
         lines.append(f"  FAILED {f['scenario']} {f['launcher']} round {f['round'] + 1}: {f.get('error', 'no figure')}")
     return "\n".join(lines)
-
-
-def _torch_version() -> str | None:
-    try:
-        from importlib.metadata import version
-
-        return version("torch")
-    except Exception:  # noqa: BLE001 - only a label in the report
-        return None
-
-
-@contextlib.contextmanager
-def _scratch(shm_dir: str, logs: str | None) -> Iterator[tuple[Path, Path]]:
-    """(logs, shm): fresh directories, removed on exit, on error and on SIGTERM (``logs`` kept if given)."""
-    shm = Path(tempfile.mkdtemp(prefix=f"tierckpt-recovery-{os.getpid()}-", dir=shm_dir))
-    if logs is not None:
-        Path(logs).mkdir(parents=True, exist_ok=True)
-    log_dir = Path(tempfile.mkdtemp(prefix="tierckpt-recovery-", dir=logs))
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm) if in_main else None
-    try:
-        yield log_dir, shm
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-        shutil.rmtree(shm, ignore_errors=True)
-        if logs is None:
-            shutil.rmtree(log_dir, ignore_errors=True)
-
-
-def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

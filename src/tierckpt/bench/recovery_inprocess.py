@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tierckpt.bench.recovery import _Job, _scratch, _torch_version
+from tierckpt.bench.harness.recovery_job import RecoveryJob, scratch, torch_version
 from tierckpt.bench.twonode import RANKS, JobTimeout
 
 __all__ = ["main"]
@@ -54,7 +54,7 @@ _START_S = 300.0
 _SHORT = {"inprocess": "ip", "warm": "warm", "cold": "cold", "torchrun": "tr"}
 
 
-class _CompiledJob(_Job):
+class _CompiledJob(RecoveryJob):
     """The recovery job with ``--compile``, the in-process wrapper and the scenario's fault."""
 
     def __init__(self, mode: str, scenario: str, root: Path, shm: Path, *, fault_step: int, step_time: float) -> None:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--rounds must be >= 1, --fault-step >= 2, --step-time and --cap positive")
     load_start = os.getloadavg()
     runs: list[dict[str, Any]] = []
-    with _scratch(args.shm_dir, args.logs) as (logs, shm):
+    with scratch(args.shm_dir, args.logs) as (logs, shm):
         for rnd in range(args.rounds):
             for scenario in scenarios:
                 for mode in launchers:
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{_fmt(r.get('value_s')) if not r.get('error') else 'FAILED: ' + r['error']}", flush=True)
     doc = _summarise(runs, scenarios, launchers, args)
     doc["env"] = {"cpus": os.cpu_count(), "load_average_start": list(load_start),
-                  "load_average_end": list(os.getloadavg()), "torch": _torch_version(),
+                  "load_average_end": list(os.getloadavg()), "torch": torch_version(),
                   "python": sys.version.split()[0]}
     print(format_report(doc))
     if args.json:

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from tierckpt import fallback, metrics
+from tierckpt import metrics
 from tierckpt.compat.legacy import CHECKPOINT_FILE, METADATA_FILE, LegacySource, SageMakerStorageInfo
 from tierckpt.compat.sagemaker_config import (
     SageMakerCheckpointConfig,
@@ -49,6 +49,7 @@ from tierckpt.compat.sagemaker_config import (
     validated,
 )
 from tierckpt.compat.sagemaker_paths import DefaultS3PathStrategy, RayS3PathStrategy, S3PathStrategy
+from tierckpt.dcp import fallback
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.errors import (

@@ -17,46 +17,39 @@ DurableWriteError (DCP reports it wrapped in CheckpointException).
 from __future__ import annotations
 
 import dataclasses
-import io
 import os
 import socket
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any, cast
 
-import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo as _StorageInfo
 from tierckpt.config import CheckpointConfig
-from tierckpt.dcp import node_commit
+from tierckpt.dcp import fallback, node_commit
+from tierckpt.dcp.plan import ItemInfo, PlanData, checksums_of, durable_tier, spans_of
 from tierckpt.errors import (
     ConfigError,
     DurableWriteError,
     NonFiniteLossError,
     ProtocolError,
     StorageError,
-    TierckptError,
 )
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.policy import DurablePolicy
-from tierckpt.record import ALIGN, dumps_metadata, tensor_record
+from tierckpt.record import dumps_metadata
 from tierckpt.runtime import RankRuntime, runtime_for
 from tierckpt.snapshot import Snapshot
-from tierckpt.staging import Slot
-from tierckpt.tiers import Source, Tier
+from tierckpt.tiers import Source
 
-__all__ = ["TieredStorageWriter"]
-
-_tensor_record = lru_cache(maxsize=8192)(tensor_record)
-
+__all__ = ["DurableWriter", "TieredStorageWriter"]
 
 @dataclass(frozen=True)
 class _NodeId:
@@ -64,34 +57,6 @@ class _NodeId:
 
     host: str
     memory_root: str
-
-
-@dataclass(frozen=True)
-class _PlanData:
-    """Set on each rank's SavePlan by the coordinator.
-
-    ``commit_node``: this rank commits its node's memory tier once the coordinator has
-    published the step (the coordinator commits its own node in ``finish``).
-    ``remote_nodes``: how many other nodes wait for that publication.
-    """
-
-    file_name: str
-    save_id: str
-    world_size: int
-    commit_node: bool = False
-    remote_nodes: int = 0
-
-
-@dataclass(frozen=True)
-class _ItemInfo:
-    """WriteResult.storage_data: DCP's storage info plus what the manifest needs."""
-
-    storage: _StorageInfo
-    data_offset: int
-    xxh3: str
-    file_size: int
-    durable_error: str | None = None
-    memory_error: str | None = None  # this rank's memory tier failed: the step goes to the durable tier only
 
 
 class TieredStorageWriter(StorageWriter):
@@ -129,7 +94,7 @@ class TieredStorageWriter(StorageWriter):
         self.is_coordinator = True
         self.save_id: str | None = None
         self.committed: tuple[bytes, bytes] | None = None  # (.metadata, manifest) after finish
-        self._plan_data: _PlanData | None = None
+        self._plan_data: PlanData | None = None
         self._snapshot: Snapshot | None = None
         self.files_written: list[str] = []
         self._durable_exc: StorageError | None = None
@@ -217,8 +182,6 @@ class TieredStorageWriter(StorageWriter):
         try:
             snap = self.runtime.stager.stage(guard.saveable(state_dict, step))
         except Exception as exc:
-            from tierckpt import fallback  # fallback builds on this module
-
             snap = fallback.stage_instead(self, guard.typed(exc, step=step), state_dict)
         snap.wait_copied()
         self._snapshot = snap
@@ -246,7 +209,7 @@ class TieredStorageWriter(StorageWriter):
         out = []
         for i, (plan, node) in enumerate(zip(plans, nodes, strict=True)):
             leads = remote > 0 and node is not None and leaders.get(node) == i
-            pd = _PlanData(layout.data_file_name(i), save_id, len(plans), commit_node=leads,
+            pd = PlanData(layout.data_file_name(i), save_id, len(plans), commit_node=leads,
                            remote_nodes=remote if i == 0 else 0)
             out.append(dataclasses.replace(plan, storage_data=pd))
         return out
@@ -264,7 +227,7 @@ class TieredStorageWriter(StorageWriter):
 
     def _write(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         pd = plan.storage_data
-        if not isinstance(pd, _PlanData):
+        if not isinstance(pd, PlanData):
             raise ProtocolError("write_data called before prepare_global_plan assigned a file")
         if self._save_seq is not None:
             pd = dataclasses.replace(pd, save_id=f"{pd.save_id}-{self._save_seq:x}")
@@ -281,8 +244,6 @@ class TieredStorageWriter(StorageWriter):
                         raise self._memory_failure
                     results = self._write_locked(plan, planner, pd, rt, step, log)
                 except Exception as exc:  # the memory tier failed: the durable tier, when this save writes it
-                    from tierckpt import fallback
-
                     results = fallback.write_instead(self, exc, plan, planner, pd, log)
                 self._check_gate(abort=pd.save_id)  # every rank's last word before the coordinator commits
                 from tierckpt import monitor  # every save path writes here: a save is progress (tierckpt run)
@@ -301,7 +262,7 @@ class TieredStorageWriter(StorageWriter):
             self.runtime.memory.abort(self.step, abort)  # this rank's staged files (never raises)
         raise NonFiniteLossError(f"step {self.step} was not committed: {reason}", step=self.step)
 
-    def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: _PlanData, rt: RankRuntime,
+    def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: PlanData, rt: RankRuntime,
                       step: int, log: StepLogger) -> list[WriteResult]:
         t0 = time.perf_counter()
         snap, self._snapshot = self._snapshot, None
@@ -312,8 +273,8 @@ class TieredStorageWriter(StorageWriter):
             snap.wait_copied()
         extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
         try:
-            spans, extras = _spans(plan.items, planner, snap, pd.file_name, extra_name)
-            digests = _checksums(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
+            spans, extras = spans_of(plan.items, planner, snap, pd.file_name, extra_name)
+            digests = checksums_of(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
             sizes = {pd.file_name: snap.nbytes, extra_name: len(extras)}
             files: dict[str, Source] = {pd.file_name: snap.slot.path}
             if extras:
@@ -324,7 +285,7 @@ class TieredStorageWriter(StorageWriter):
             self._metric(metrics.dcp_written, "memory", snap.nbytes + len(extras))
             durable_error = None
             if self.durable:
-                durable = _durable_tier(rt, step)
+                durable = durable_tier(rt, step)
                 try:
                     with log.timed(step, f"Durable write ({durable.location(step)})", snap.nbytes + len(extras)):
                         for name, source in files.items():
@@ -343,7 +304,7 @@ class TieredStorageWriter(StorageWriter):
             WriteResult(
                 index=item.index,
                 size_in_bytes=length,
-                storage_data=_ItemInfo(_StorageInfo(name, offset, length), data_offset, digest, sizes[name], durable_error),
+                storage_data=ItemInfo(_StorageInfo(name, offset, length), data_offset, digest, sizes[name], durable_error),
             )
             for (item, name, offset, length, data_offset), digest in zip(spans, digests, strict=True)
         ]
@@ -351,7 +312,7 @@ class TieredStorageWriter(StorageWriter):
     # -- commit ---------------------------------------------------------------------
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         rt, step, log = self.runtime, self.step, StepLogger("writer", self.rank, self.config.logger)
-        infos: dict[MetadataIndex, _ItemInfo] = {
+        infos: dict[MetadataIndex, ItemInfo] = {
             wr.index: wr.storage_data for rank_results in results for wr in rank_results
         }
         save_id = self.save_id or (self._plan_data.save_id if self._plan_data else None)
@@ -371,8 +332,6 @@ class TieredStorageWriter(StorageWriter):
         mf_raw = manifest.to_bytes()
         small = {layout.METADATA: md_raw, layout.MANIFEST: mf_raw}
         self._check_gate(abort=save_id)
-        from tierckpt import fallback
-
         if fallback.commit_instead(self, infos.values(), save_id, small):
             return  # the memory tier failed on some rank: committed to the durable tier only
         rt.committed_in_memory(step)
@@ -383,7 +342,7 @@ class TieredStorageWriter(StorageWriter):
         self._metric(metrics.dcp_committed, "memory", step, self._since_write())
         rt.apply_retention(rt.memory, rt.memory_retention)
         if self.durable:
-            durable = _durable_tier(rt, step)
+            durable = durable_tier(rt, step)
             failed = sorted({i.durable_error for i in infos.values() if i.durable_error})
             if failed:
                 self._metric(metrics.dcp_failed, "durable")
@@ -412,70 +371,23 @@ class TieredStorageWriter(StorageWriter):
         return 0.0 if self._t_write is None else time.perf_counter() - self._t_write
 
 
-def _spans(
-    items: Sequence[WriteItem], planner: SavePlanner, snap: Snapshot, slot_name: str, extra_name: str
-) -> tuple[list[tuple[WriteItem, str, int, int, int]], bytearray]:
-    """Where each item's record lives: in the slot when the snapshot holds it, else in extras.
+class DurableWriter(TieredStorageWriter):
+    """Writes one step to the durable tier only: the same files, checksums and manifest, marker last.
 
-    Returns (item, file, offset, length, data_offset) per item and the extras file's bytes
-    (byte items, and tensors the snapshot does not hold in the planned shape).
+    The caller (``SavePath``) sets ``_snapshot`` (a slot or heap copy); DCP then drives it as
+    any writer (``write_data`` on every rank, ``finish`` on the coordinator, which
+    ``commit_instead`` turns into a durable-only commit).
     """
-    spans = []
-    extras = bytearray()
-    for item in items:
-        if item.type != WriteItemType.BYTE_IO:
-            td = item.tensor_data
-            if td is None:
-                raise ProtocolError(f"tensor item {item.index.fqn} has no tensor_data in the save plan")
-            view = snap.views.get(item.index.fqn)
-            if view is not None and tuple(view.shape) == tuple(td.chunk.sizes) and view.dtype == td.properties.dtype:
-                rec = snap.records[item.index.fqn]
-                spans.append((item, slot_name, snap.offsets[item.index.fqn], rec.length, rec.data_offset))
-                continue
-            src = cast(torch.Tensor, planner.resolve_data(item)).detach().contiguous().cpu()
-            rec = _tensor_record(src.dtype, tuple(src.shape))
-            offset = _align(len(extras))
-            extras.extend(b"\0" * (offset - len(extras)))
-            extras.extend(rec.prefix)
-            extras.extend(src.reshape(-1).view(torch.uint8).numpy().tobytes() if rec.nbytes else b"")
-            extras.extend(rec.suffix)
-            spans.append((item, extra_name, offset, rec.length, rec.data_offset))
-            continue
-        data = planner.resolve_data(item)
-        if not isinstance(data, io.BytesIO):
-            raise TierckptError(f"byte item {item.index.fqn} resolved to {type(data).__name__}")
-        offset = _align(len(extras))
-        extras.extend(b"\0" * (offset - len(extras)))
-        extras.extend(data.getbuffer())
-        spans.append((item, extra_name, offset, len(extras) - offset, -1))
-    return spans, extras
 
-
-def _checksums(rt: RankRuntime, spans: list[tuple[WriteItem, str, int, int, int]], sources: dict[str, Any]) -> list[str]:
-    """xxh3 of every record, in parallel (xxhash releases the GIL)."""
-    views = {
-        name: (memoryview(src._mm) if src._mm is not None else memoryview(b"")) if isinstance(src, Slot) else memoryview(src)
-        for name, src in sources.items()
-    }
-    try:
-        return list(rt.executor.map(lambda sp: layout.checksum(views[sp[1]][sp[2] : sp[2] + sp[3]]), spans))
-    finally:
-        for v in views.values():  # let the slot's mapping be closed or resized later
-            v.release()
-
-
-def _durable_tier(rt: RankRuntime, step: int) -> Tier:
-    durable = rt.durable
-    if durable is None:
-        raise ConfigError("a durable copy was asked for but the config has no durable_url", step=step)
-    return durable
+    def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: PlanData, rt: RankRuntime,
+                      step: int, log: StepLogger) -> list[WriteResult]:
+        snap, self._snapshot = self._snapshot, None
+        if snap is None:
+            raise ProtocolError("the durable fallback needs the step's copy (DurableWriter._snapshot)")
+        return fallback.write_durable(self, snap, plan, planner, pd, log, "memory tier bypassed")
 
 
 def _global_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN

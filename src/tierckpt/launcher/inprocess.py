@@ -25,13 +25,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt import layout
+from tierckpt import layout, workerenv
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.replace import REPLACE, Route, route
 
 __all__ = ["InProcessRestarts"]
 
-REQUEST_FILE = "inproc_request"  # the workers' watchdog reads it (tierckpt.inprocess)
 _REPLACE_TIMEOUT_S = 60.0  # a replacement starts (cold, perhaps) and joins: the wrapper's rejoin timeout
 
 
@@ -110,7 +109,7 @@ class InProcessRestarts:
         want = min(pending) if kind == REPLACE and pending else max(self._done, default=0) + 1
         self._requests += 1
         if kind != REPLACE:
-            layout.write_atomic(os.path.join(self._dir, REQUEST_FILE), str(self._requests))
+            layout.write_atomic(os.path.join(self._dir, workerenv.INPROC_REQUEST), str(self._requests))
         deadline = time.monotonic() + (self.timeout_s if kind != REPLACE else max(self.timeout_s, _REPLACE_TIMEOUT_S))
         while self._done.get(want) != set(self._ranks):
             if time.monotonic() > deadline or (abandon is not None and abandon()):
@@ -132,7 +131,7 @@ class InProcessRestarts:
         if self._dir is None:
             return
         for lr in self._ranks:
-            path = os.path.join(self._dir, f"inproc_{lr}.jsonl")
+            path = os.path.join(self._dir, workerenv.inproc_report(lr))
             try:
                 with open(path, "rb") as f:
                     f.seek(self._offsets.get(lr, 0))

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
+from tierckpt import workerenv
 from tierckpt.launcher.hang import Sample
 from tierckpt.waitsample import read_wait
 
@@ -131,7 +132,7 @@ def wait_places(trackers: Mapping[int, BeatTracker], beat_dir: str) -> dict[int,
     out: dict[int, tuple[int, int]] = {}
     for local_rank, tr in trackers.items():
         if tr.evidence.known and tr.evidence.idle_for() >= 1.0:
-            got = read_wait(os.path.join(beat_dir, f"where_{local_rank}"))
+            got = read_wait(os.path.join(beat_dir, workerenv.where_file(local_rank)))
             if got is not None:
                 out[local_rank] = got
     return out

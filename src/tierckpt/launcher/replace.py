@@ -31,10 +31,12 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from tierckpt.inprocess import JOIN_ENV, STORE_ENV
+from tierckpt import workerenv
 from tierckpt.launcher.escalation import Action, Decision
 
-__all__ = ["JOIN_ENV", "REPLACE", "STORE_ENV", "Route", "StoreHost", "route", "tag"]
+__all__ = ["JOIN_ENV", "REPLACE", "Route", "StoreHost", "route", "tag"]
+
+JOIN_ENV = workerenv.INPROC_JOIN  # what agent.py sets on a replacement (it imports the name from here)
 
 REPLACE = "replace"  # the claim's kind, the restart event's kind
 _STORE_KEY = "tierckpt/run/inproc-store/"  # + generation: host:port of the agent-hosted store
@@ -97,4 +99,4 @@ class StoreHost:
                 raise TimeoutError(f"group rank 0 did not publish the in-process store of generation "
                                    f"{generation} within {timeout_s:g}s") from exc
             address = ctl.store.get(key).decode()
-        return {STORE_ENV: f"{address}/{generation}"}
+        return {workerenv.INPROC_STORE: f"{address}/{generation}"}

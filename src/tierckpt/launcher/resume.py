@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from tierckpt import workerenv
+
 __all__ = ["ENV", "advance", "agreed", "mark_past", "moved_past", "offer", "passed"]
 
-ENV = "TIERCKPT_RESUME_BEFORE"
+ENV = workerenv.RESUME_BEFORE  # the variable the bound travels in
 NON_FINITE_LOSS = "NonFiniteLoss"
 _P = "tierckpt/run/resume/"
 

@@ -33,6 +33,8 @@ import sysconfig
 import time
 from typing import Any
 
+from tierckpt import workerenv
+
 # what the DDP constructor imports lazily (torch._dynamo: ~1.3 s on first use)
 DEFAULT_IMPORTS = ("torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo")
 MAX_MESSAGE = 1 << 20
@@ -174,11 +176,11 @@ def main() -> None:
     _take_over(job, fds)
     why = stale_reason(files)
     if why is not None:
-        env = dict(os.environ, TIERCKPT_WARM="0")
+        env = {**os.environ, workerenv.WARM: "0"}
         print(f"tierckpt standby: cold start ({why})", file=sys.stderr, flush=True)
         os.execve(job["executable"], [job["executable"], *job["args"]], env)
-    os.environ["TIERCKPT_WARM"] = "1"
-    os.environ["TIERCKPT_WARM_SINCE"] = spawned
+    os.environ[workerenv.WARM] = "1"
+    os.environ[workerenv.WARM_SINCE] = spawned
     _run(list(job["args"]))
 
 

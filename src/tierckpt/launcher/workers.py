@@ -19,6 +19,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs, start_processes
 from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.utils.api import macros
 
+from tierckpt import workerenv
 from tierckpt.launcher.options import RunOptions
 from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext
 
@@ -27,12 +28,12 @@ __all__ = ["start_context", "static_env", "worker_envs"]
 
 def static_env(opts: RunOptions, beat_dir: str) -> dict[str, str]:
     """What every worker of every generation gets beside torch elastic's per-rank variables."""
-    env = {"TIERCKPT_MONITOR_DIR": beat_dir, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
+    env = {workerenv.MONITOR_DIR: beat_dir, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
            # a fresh store per generation (rank 0 hosts it on the published port)
            "TORCHELASTIC_USE_AGENT_STORE": "False"}
-    for key, value in (("TIERCKPT_NAMESPACE", opts.namespace), ("TIERCKPT_MEMORY_DIR", opts.memory_dir),
-                       ("TIERCKPT_DURABLE_URL", opts.durable_url)):
+    for key, value in ((workerenv.NAMESPACE, opts.namespace), (workerenv.MEMORY_DIR, opts.memory_dir),
+                       (workerenv.DURABLE_URL, opts.durable_url)):
         if value:
             env[key] = value
     if "OMP_NUM_THREADS" in os.environ:
@@ -53,7 +54,7 @@ def worker_envs(wg: WorkerGroup, *, generation: int, addr: str, port: int, stati
             "ROLE_RANK": str(w.role_rank), "ROLE_NAME": spec.role,
             "LOCAL_WORLD_SIZE": str(spec.local_world_size), "WORLD_SIZE": str(w.world_size),
             "GROUP_WORLD_SIZE": str(wg.group_world_size), "ROLE_WORLD_SIZE": str(w.role_world_size),
-            "MASTER_ADDR": addr, "MASTER_PORT": str(port), "TIERCKPT_GENERATION": str(generation),
+            "MASTER_ADDR": addr, "MASTER_PORT": str(port), workerenv.GENERATION: str(generation),
             # the generation is the restart count: job-wide, never per agent (pytorch#135712)
             "TORCHELASTIC_RESTART_COUNT": str(generation), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),

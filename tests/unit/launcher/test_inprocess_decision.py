@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from tierckpt.launcher.events import Events
-from tierckpt.launcher.inprocess import REQUEST_FILE, InProcessRestarts
+from tierckpt.launcher.inprocess import InProcessRestarts
+from tierckpt.workerenv import INPROC_REQUEST
 
 
 def _write(d: Path, lr: int, **rec: object) -> None:
@@ -68,7 +69,7 @@ def test_request_waits_for_every_local_worker_and_times_out(tmp_path: Path) -> N
     ip = InProcessRestarts(ev, timeout_s=0.3)
     ip.arm(str(tmp_path), [0])
     assert ip.restart(3, "Hang") is None, "nobody answered: the process path"
-    assert (tmp_path / REQUEST_FILE).read_text() == "1"
+    assert (tmp_path / INPROC_REQUEST).read_text() == "1"
 
     def answer() -> None:
         time.sleep(0.05)

@@ -23,7 +23,7 @@ import errno
 import mmap
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,14 +32,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from tierckpt import guard, layout, metrics
 from tierckpt._torch_compat import StorageInfo
-from tierckpt.dcp.writer import TieredStorageWriter, _checksums, _durable_tier, _ItemInfo, _PlanData, _spans
-from tierckpt.errors import DurableWriteError, MemoryBudgetError, ProtocolError, StorageError, TierckptError
+from tierckpt.config import CheckpointConfig
+from tierckpt.dcp.plan import ItemInfo, PlanData, checksums_of, durable_tier, spans_of
+from tierckpt.errors import DurableWriteError, MemoryBudgetError, StorageError, TierckptError
 from tierckpt.observability import StepLogger
 from tierckpt.runtime import RankRuntime
 from tierckpt.snapshot import Snapshot, Stager
 from tierckpt.staging import Slot
 
-__all__ = ["DurableWriter", "HeapPool", "agree", "memory_failure", "release"]
+__all__ = ["HeapPool", "agree", "memory_failure", "release"]
 
 HEAP = Path("<process memory>")  # the path of every HeapPool slot: nothing on any file system
 
@@ -111,24 +112,32 @@ def agree(failed: bool, group: Any) -> bool:
     return bool(flag.item())
 
 
-class DurableWriter(TieredStorageWriter):
-    """Writes one step to the durable tier only: the same files, checksums and manifest, marker last.
+class WriterState(Protocol):
+    """What the plug-ins below read and set on the ``TieredStorageWriter`` that calls them.
 
-    The caller (``SavePath``) sets ``_snapshot`` (a slot or heap copy); DCP then drives it as
-    any writer (``write_data`` on every rank, ``finish`` on the coordinator, which
-    ``commit_instead`` turns into a durable-only commit).
+    Named here rather than imported, so that ``writer.py`` imports this module one way.
     """
 
-    def _write_locked(self, plan: SavePlan, planner: SavePlanner, pd: _PlanData, rt: RankRuntime,
-                      step: int, log: StepLogger) -> list[WriteResult]:
-        snap, self._snapshot = self._snapshot, None
-        if snap is None:
-            raise ProtocolError("the durable fallback needs the step's copy (DurableWriter._snapshot)")
-        return write_durable(self, snap, plan, planner, pd, log, "memory tier bypassed")
+    config: CheckpointConfig
+    rank: int
+    committed: tuple[bytes, bytes] | None
+    files_written: list[str]
+    _step: int | None
+    _snapshot: Snapshot | None
+    _memory_failure: BaseException | None
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def durable(self) -> bool: ...
+
+    @property
+    def runtime(self) -> RankRuntime: ...
 
 
 # -- the DCP plug-ins (TieredStorageWriter calls these three where the memory tier fails) --------
-def stage_instead(writer: TieredStorageWriter, err: BaseException, state_dict: dict[str, Any]) -> Snapshot:
+def stage_instead(writer: WriterState, err: BaseException, state_dict: dict[str, Any]) -> Snapshot:
     """``stage`` could not copy into shared memory: copy into process memory when the save goes durable."""
     cause = memory_failure(err)
     if cause is None or not _goes_durable(writer):
@@ -138,8 +147,8 @@ def stage_instead(writer: TieredStorageWriter, err: BaseException, state_dict: d
     return heap_stager().stage(guard.saveable(state_dict, writer.step))
 
 
-def write_instead(writer: TieredStorageWriter, exc: BaseException, plan: SavePlan, planner: SavePlanner,
-                  pd: _PlanData, log: StepLogger) -> list[WriteResult]:
+def write_instead(writer: WriterState, exc: BaseException, plan: SavePlan, planner: SavePlanner,
+                  pd: PlanData, log: StepLogger) -> list[WriteResult]:
     """``write_data`` failed: when the memory tier is why and the save goes durable, write only there."""
     err = guard.typed(exc, step=writer._step)
     cause = memory_failure(err)
@@ -156,7 +165,7 @@ def write_instead(writer: TieredStorageWriter, exc: BaseException, plan: SavePla
     return write_durable(writer, snap, plan, planner, pd, log, f"rank {writer.rank}: {cause}: {err}")
 
 
-def commit_instead(writer: TieredStorageWriter, infos: Iterable[_ItemInfo], save_id: str,
+def commit_instead(writer: WriterState, infos: Iterable[ItemInfo], save_id: str,
                    small: dict[str, bytes]) -> bool:
     """Commit the memory tier (False), or, where it failed on some rank, the durable tier alone (True)."""
     rt, step = writer.runtime, writer.step
@@ -177,7 +186,7 @@ def commit_instead(writer: TieredStorageWriter, infos: Iterable[_ItemInfo], save
     if broken:
         raise DurableWriteError(f"step {step} was not saved: the memory tier failed ({'; '.join(failed)}) and "
                                 f"so did the durable copy: {'; '.join(broken)}", tier="durable", step=step)
-    durable = _durable_tier(rt, step)
+    durable = durable_tier(rt, step)
     try:
         durable.commit(step, save_id, small)
     except StorageError as exc:
@@ -190,18 +199,18 @@ def commit_instead(writer: TieredStorageWriter, infos: Iterable[_ItemInfo], save
     return True
 
 
-def write_durable(writer: TieredStorageWriter, snap: Snapshot, plan: SavePlan, planner: SavePlanner,
-                  pd: _PlanData, log: StepLogger, memory_error: str) -> list[WriteResult]:
+def write_durable(writer: WriterState, snap: Snapshot, plan: SavePlan, planner: SavePlanner,
+                  pd: PlanData, log: StepLogger, memory_error: str) -> list[WriteResult]:
     """This rank's files of the step from ``snap`` to the durable tier; ``snap`` is released."""
     rt, step = writer.runtime, writer.step
-    durable = _durable_tier(rt, step)
+    durable = durable_tier(rt, step)
     extra_name = pd.file_name.replace("_0.distcp", "_1.distcp")
     view = memoryview(snap.slot._mm) if snap.slot._mm is not None else memoryview(b"")
     files: dict[str, memoryview | bytes] = {}
     try:
         snap.wait_copied()
-        spans, extras = _spans(plan.items, planner, snap, pd.file_name, extra_name)
-        digests = _checksums(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
+        spans, extras = spans_of(plan.items, planner, snap, pd.file_name, extra_name)
+        digests = checksums_of(rt, spans, {pd.file_name: snap.slot, extra_name: extras})
         sizes = {pd.file_name: snap.nbytes, extra_name: len(extras)}
         files[pd.file_name] = view[: snap.nbytes]
         if extras:
@@ -219,17 +228,17 @@ def write_durable(writer: TieredStorageWriter, snap: Snapshot, plan: SavePlan, p
     writer.files_written = sorted(files)
     return [
         WriteResult(index=item.index, size_in_bytes=length,
-                    storage_data=_ItemInfo(StorageInfo(name, offset, length), data_offset, digest, sizes[name],
+                    storage_data=ItemInfo(StorageInfo(name, offset, length), data_offset, digest, sizes[name],
                                            memory_error=memory_error))
         for (item, name, offset, length, data_offset), digest in zip(spans, digests, strict=True)
     ]
 
 
-def _goes_durable(writer: TieredStorageWriter) -> bool:
+def _goes_durable(writer: WriterState) -> bool:
     return writer.config.durable_url is not None and writer.durable
 
 
-def _warn(writer: TieredStorageWriter, cause: str, err: BaseException) -> None:
+def _warn(writer: WriterState, cause: str, err: BaseException) -> None:
     """Warn at a runtime's first fallback (later ones log at info); count each."""
     rt = writer.runtime
     metrics.memory_fallback(rt, cause)

@@ -1,0 +1,67 @@
+"""What ``tierckpt run`` hands its workers: the one place that knows the variable and file names.
+
+    variable                  set by (launcher/)               read by
+    TIERCKPT_NAMESPACE        workers.py (--namespace)          config.py: CheckpointConfig.namespace
+    TIERCKPT_MEMORY_DIR       workers.py (--memory-dir)         config.py: CheckpointConfig.memory_dir
+    TIERCKPT_DURABLE_URL      workers.py (--durable-url)        config.py: CheckpointConfig.durable_url
+    TIERCKPT_RESUME_BEFORE    agent.py (resume.py's bound N)    config.py: CheckpointConfig.resume_before
+    TIERCKPT_GENERATION       workers.py: the job-wide restart count; config.py (a worker of tierckpt run)
+    TIERCKPT_MONITOR_DIR      workers.py: the directory below   monitor.py, inprocess.py, waitsample.py
+    TIERCKPT_INPROC_STORE     replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
+    TIERCKPT_INPROC_JOIN      agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
+    TIERCKPT_WARM             standby.py: "1" in a warm worker, "0" after a cold start in its place
+    TIERCKPT_WARM_SINCE       standby.py: when the warm worker's standby was spawned
+
+    $TIERCKPT_MONITOR_DIR/
+        beat_<local rank>           heartbeats: monitor.py writes, the agent reads (heartbeat.read_beat)
+        where_<local rank>          where an idle main thread waits: waitsample.py writes, procwatch.py reads
+        inproc_<local rank>.jsonl   in-process restarts: inprocess.py appends, launcher/inprocess.py reads
+        inproc_request              an increasing request counter: launcher/inprocess.py writes,
+                                    inprocess.py's watchdog reads
+
+Names only: the launcher writes them, the worker side (config.py, monitor.py, inprocess.py) reads them.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DURABLE_URL",
+    "GENERATION",
+    "INPROC_JOIN",
+    "INPROC_REQUEST",
+    "INPROC_STORE",
+    "MEMORY_DIR",
+    "MONITOR_DIR",
+    "NAMESPACE",
+    "RESUME_BEFORE",
+    "WARM",
+    "WARM_SINCE",
+    "beat_file",
+    "inproc_report",
+    "where_file",
+]
+
+NAMESPACE = "TIERCKPT_NAMESPACE"
+MEMORY_DIR = "TIERCKPT_MEMORY_DIR"
+DURABLE_URL = "TIERCKPT_DURABLE_URL"
+RESUME_BEFORE = "TIERCKPT_RESUME_BEFORE"
+GENERATION = "TIERCKPT_GENERATION"
+MONITOR_DIR = "TIERCKPT_MONITOR_DIR"
+INPROC_STORE = "TIERCKPT_INPROC_STORE"
+INPROC_JOIN = "TIERCKPT_INPROC_JOIN"
+WARM = "TIERCKPT_WARM"
+WARM_SINCE = "TIERCKPT_WARM_SINCE"
+
+INPROC_REQUEST = "inproc_request"
+
+
+def beat_file(local_rank: int) -> str:
+    return f"beat_{local_rank}"
+
+
+def where_file(local_rank: int) -> str:
+    return f"where_{local_rank}"
+
+
+def inproc_report(local_rank: int) -> str:
+    return f"inproc_{local_rank}.jsonl"
