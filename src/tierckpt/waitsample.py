@@ -38,6 +38,8 @@ import time
 import zlib
 from types import FrameType
 
+from tierckpt import workerenv
+
 __all__ = ["INTERVAL_S", "LIB", "SAVE", "STALE_S", "USER", "classify", "read_wait", "read_where", "site", "start",
            "where"]
 
@@ -110,7 +112,7 @@ def site(frame: FrameType | None) -> int:
 def start(directory: str, local_rank: int) -> None:
     """Start this process's sampler (again after a fork); a no-op when it runs already."""
     global _started
-    path = os.path.join(directory, f"where_{int(local_rank)}")
+    path = os.path.join(directory, workerenv.where_file(int(local_rank)))
     if _started == (os.getpid(), path):
         return
     _started = (os.getpid(), path)

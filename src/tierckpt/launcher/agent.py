@@ -41,6 +41,7 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
+from tierckpt import workerenv
 from tierckpt.launcher import ranks, resume
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.agent_membership import MembershipPath
@@ -459,7 +460,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         """Heartbeats, the /proc evidence of silent ranks, where idle ranks wait, and log rules."""
         out: list[FaultRecord] = []
         for local_rank, tr in self._trackers.items():
-            tr.observe(read_beat(os.path.join(self._beat_dir, f"beat_{local_rank}")), now)
+            tr.observe(read_beat(os.path.join(self._beat_dir, workerenv.beat_file(local_rank))), now)
         # silent ranks' processes from /proc: stopped, idle or busy (hang.py)
         board = self._busy
         peer_busy = sample_ranks(self._trackers, self._pcontext.pids() if self._pcontext else {}, now,

@@ -109,16 +109,22 @@ def test_wait_board_on_a_real_store() -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
     a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)
     u, lib = (USER, 11), (LIB, 22)
-    assert a.waits(2, 2, {}, ask=True) == {}  # nobody published (no blocking get)
-    assert b.waits(2, 2, {1: u}, ask=False) == {}  # published, not asked
-    assert a.waits(2, 2, {0: lib}, ask=True) == {1: u}
-    assert b.waits(2, 2, {1: u}, ask=True) == {0: lib}
-    assert a.waits(3, 2, {}, ask=True) == {}  # per generation
-    assert b.waits(2, 2, {}, ask=True) == {0: lib}  # b's own key cleared; a still waits in torch
-    assert a.waits(2, 2, {}, ask=True) == {}
-    assert a.waits(2, 1, {}, ask=True) == {}  # one node: nobody else
-    assert b.waits(4, 2, {1: u, 5: (LIB, 4294967295)}, ask=False) == {}  # several ranks, a 32-bit site
-    assert a.waits(4, 2, {}, ask=True) == {1: u, 5: (LIB, 4294967295)}
+
+    def by(board: BusyBoard, *args: Any, **kw: Any) -> dict[int, tuple[int, int]]:
+        got = board.waits(*args, **kw)
+        board.store.check(["sync"])  # a round trip on its connection: its set (no reply) has landed
+        return got
+
+    assert by(a, 2, 2, {}, ask=True) == {}  # nobody published (no blocking get)
+    assert by(b, 2, 2, {1: u}, ask=False) == {}  # published, not asked
+    assert by(a, 2, 2, {0: lib}, ask=True) == {1: u}
+    assert by(b, 2, 2, {1: u}, ask=True) == {0: lib}
+    assert by(a, 3, 2, {}, ask=True) == {}  # per generation
+    assert by(b, 2, 2, {}, ask=True) == {0: lib}  # b's own key cleared; a still waits in torch
+    assert by(a, 2, 2, {}, ask=True) == {}
+    assert by(a, 2, 1, {}, ask=True) == {}  # one node: nobody else
+    assert by(b, 4, 2, {1: u, 5: (LIB, 4294967295)}, ask=False) == {}  # several ranks, a 32-bit site
+    assert by(a, 4, 2, {}, ask=True) == {1: u, 5: (LIB, 4294967295)}
 
 
 def test_the_site_tells_apart_two_waits_in_the_same_library_call() -> None:
