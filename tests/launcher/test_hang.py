@@ -76,13 +76,14 @@ def test_collective_that_never_returns_is_reported_within_10s(make_job: Callable
     assert float(fault["detection_latency_s"]) <= 10.0, fault  # type: ignore[arg-type]
 
 
-def test_idle_evaluation_passes_every_25_steps_are_no_hang(make_job: Callable[..., LocalJob]) -> None:
-    """Issue 25's job: every 25th step every rank waits 8 s without CPU (it sleeps, as an evaluation
-    waiting on a remote service does), at the user's defaults (--node-timeout 10). The old rule called
-    it a Hang at 5 s, at every pass; where the ranks wait (their own code, not a collective) says
-    it is no stall."""
+@pytest.mark.parametrize("how", ["sleep", "pipe"])
+def test_idle_evaluation_passes_every_25_steps_are_no_hang(make_job: Callable[..., LocalJob], how: str) -> None:
+    """Issue 25's job: every 25th step every rank waits 8 s without CPU (it sleeps, or blocks reading
+    a pipe that brings a byte a second, as an evaluation waiting on a remote service does), at the
+    user's defaults (--node-timeout 10). The old rule called it a Hang at 5 s, at every pass; where
+    the ranks wait (their own code, not a collective) says it is no stall."""
     job = make_job(train=["--steps", "52", "--step-time", "0.05", "--eval-every", "25", "--eval-s", "8",
-                          "--eval-idle"])
+                          "--eval-idle", how])
     job.start()
     assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
     assert _faults(job) == [], job.report()
@@ -124,3 +125,20 @@ def test_a_section_allows_its_timeout_and_no_more(make_job: Callable[..., LocalJ
     fault = _faults(late)[0]
     assert fault["reason"] == "Hang" and str(fault["detail"]).startswith("in section 'eval' for 3."), fault
     assert 3.0 <= float(fault["detection_latency_s"]) <= 4.5, fault  # type: ignore[arg-type]
+
+
+def test_a_20s_first_step_compile_is_no_fault_before_or_after_a_restart(make_job: Callable[..., LocalJob]) -> None:
+    """Every process's first step compiles for 20 s (a busy child process, as inductor's compile
+    workers are; the main thread waits for it), at the user's defaults. Rank 1 exits at step 8
+    once: the restarted processes compile again. The one fault is that crash, on node 1."""
+    job = make_job(train=["--steps", "16", "--compile-s", "20", "--fault", "exit", "--fault-step", "8"])
+    job.start()
+    assert job.wait_exit(300) == {0: 0, 1: 0}, job.report()
+    faults = _faults(job)
+    assert faults and {(f["reason"], f["node"], f["rank"], f["generation"]) for f in faults} == {("Crash", 1, 1, 0)}, \
+        job.report()
+    for r in (0, 1):
+        firsts = [e for e in job.trace(r) if e["event"] == "step" and "forward_s" in e]
+        assert [e["generation"] for e in firsts] == [0, 1], firsts
+        assert all(e["forward_s"] >= 20.0 for e in firsts), firsts
+    assert job.last_step(0) == job.last_step(1) == 16

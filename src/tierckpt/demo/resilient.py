@@ -23,10 +23,12 @@ loop runs under ``tierckpt.resilient`` (faults restart it in-process; a fault fi
 first in-process generation only); traces then carry ``inproc`` (the in-process generation).
 ``--eval-every N --eval-s S``: after every Nth step every rank (``--eval-rank R``: rank R alone,
 the others wait in the all-reduce) evaluates for S seconds (busy, no heartbeat), then all-reduces
-the result, the way a legitimate slow step looks to the launcher; ``--eval-idle``: it waits
-(sleeps) instead, like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
+the result, the way a legitimate slow step looks to the launcher; ``--eval-idle [sleep|pipe]``: it waits
+instead (sleeps, or blocks reading a pipe that brings a byte a second), like a stall; ``--eval-section-timeout T``: inside ``monitor.section("eval", T)``.
 With ``--fault-file PATH`` a fault starts at the first step that finds the file instead of at
 ``--fault-step``. ``--optim adamw``: AdamW instead of SGD (state beyond the parameters).
+``--durable-sync``: each durable save (every ``--durable-every``) is waited for before the next step.
+``--compile-s S``: the first step of every process compiles for S seconds (a busy child process).
 ``--inject-dir D``: a driver asks for a fault by creating ``D/nan_rank<r>``; the rank consumes
 (deletes) the file at its next step and makes that step's loss, gradients and update NaN for
 real, as a diverging step does (the chaos soak). At the end each rank writes its model and
@@ -64,20 +66,44 @@ def _digest(model: Any) -> str:
     return h.hexdigest()
 
 
-def _evaluate(model: Any, seconds: float, trace: Path, step: int, idle: bool = False) -> None:
-    """A busy (or ``idle``: sleeping) evaluation pass of ``seconds`` without a heartbeat, ending in an all-reduce."""
+def _evaluate(model: Any, seconds: float, trace: Path, step: int, idle: str | None = None) -> None:
+    """A busy (or ``idle``: sleeping, or blocked reading a slow pipe) evaluation pass of ``seconds``
+    without a heartbeat, ending in an all-reduce."""
     import torch
     import torch.distributed as dist
 
     t0 = time.time()
     total = torch.zeros(())
-    if idle:
+    if idle == "sleep":
         time.sleep(seconds)
+    elif idle == "pipe":  # a remote service that answers a byte a second: blocking reads, next to no I/O
+        r, w = os.pipe()
+
+        def trickle() -> None:
+            for _ in range(max(1, round(seconds))):
+                time.sleep(1.0)
+                os.write(w, b".")
+            os.close(w)
+
+        import threading
+
+        threading.Thread(target=trickle, daemon=True).start()
+        while os.read(r, 1):
+            pass
+        os.close(r)
     with torch.no_grad():
         while time.time() - t0 < seconds:
             total += model(torch.randn(256, 32)).sum()
     dist.all_reduce(total)
     _trace(trace, "eval", step=step, eval_s=time.time() - t0)
+
+
+def _compile(seconds: float) -> None:
+    """``seconds`` of compilation in a child process while this thread waits (busy, no heartbeat)."""
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", f"import time\nt = time.time() + {seconds}\nwhile time.time() < t: pass"],
+                   check=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-time", type=float, default=0.1)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--durable-every", type=int, default=0)
+    ap.add_argument("--durable-sync", action="store_true",
+                    help="wait for each durable save to land before the next step (a synchronous save)")
+    ap.add_argument("--compile-s", type=float, default=0.0,
+                    help="the first step of every process compiles for this long (in a child process, as "
+                         "inductor's compile workers do; the main thread waits for it)")
     ap.add_argument("--global-mode", action="store_true",
                     help="one global DCP checkpoint (needs a durable tier across nodes); default: local mode")
     ap.add_argument("--fault", default="none",
@@ -97,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-every", type=int, default=0)
     ap.add_argument("--eval-s", type=float, default=8.0)
     ap.add_argument("--eval-rank", type=int, default=-1, help="-1: every rank evaluates")
-    ap.add_argument("--eval-idle", action="store_true")
+    ap.add_argument("--eval-idle", nargs="?", const="sleep", choices=["sleep", "pipe"],
+                    help="the evaluation waits instead of computing: sleeps, or reads a slow pipe (a byte a second)")
     ap.add_argument("--eval-section-timeout", type=float, default=0.0)
     ap.add_argument("--fault-file", help="fault at the first step that sees this file (instead of --fault-step)")
     ap.add_argument("--fault-memory-dir", help="the faulty worker is every rank of the node whose memory tier is this "
@@ -243,6 +275,8 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
             if injected:  # a real divergence: NaN gradients, a NaN update, held back by monitor.step below
                 _trace(trace, "fault", step=step, fault="nan", inproc=inproc, injected=True)
                 loss = loss * math.nan
+            if first and args.compile_s > 0:
+                _compile(args.compile_s)
             t_fwd = time.time() - t_step
             optim.zero_grad()
             loss.backward()
@@ -290,6 +324,10 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
             monitor.step(step, loss=value)
             state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
             ck.save(step, state)
+            if args.durable_sync and args.durable_every and step % args.durable_every == 0:
+                t_sync = time.time()
+                ck.wait()  # the durable copy landed (or the wait raised)
+                _trace(trace, "durable", step=step, wait_s=time.time() - t_sync)
             _trace(trace, "step", step=step, digest=_digest(model), inproc=inproc,
                    **({"forward_s": t_fwd} if first else {}), **({"fault": args.fault} if due else {}))
             first = False
