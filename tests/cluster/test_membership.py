@@ -43,6 +43,9 @@ RANKS = (0, 1)
 #: a load from memory or from the surviving peer takes well under a second here; an agent that
 #: still lists a lost host waits its 10 s peer deadline (``AgentLimits.peer_deadline_s``)
 LOAD_BOUND_S = 5.0
+#: a lost host's rank trains again on a waiting spare within this (issue 25's goal: 5 s, met on an
+#: idle box; the rendezvous round is issue 26's)
+SPARE_BACK_S = 8.0
 
 def _agents(job: HostJob, name: str) -> dict[str, Any]:
     """The ``agent`` event of ``name``'s launcher: its hosted node agent's address."""
@@ -78,6 +81,9 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     back = max(first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_kill
     fault = next(e for e in job.events(h0.name) if e["event"] == "fault")
     assert_lost_host_blamed(job, h0, fault, t_kill, node=1)
+    # both ranks train again on the spare within seconds (4.5 s measured on an idle box; 16.7-30.4 s
+    # before the diagnosis named the lost host): a bound with room for a loaded CI machine
+    assert back <= SPARE_BACK_S, (back, job.report())
     codes = job.wait_exit(300, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
 
@@ -128,6 +134,9 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
     at_kill = job.last_step(0)
     t_kill = time.time()
     h1.kill()
+    fault = job.wait_for(lambda: next((e for e in job.events(h0.name) if e["event"] == "fault"), None), 60,
+                         "h0 notices the lost host")
+    assert_lost_host_blamed(job, h0, fault, t_kill, node=1)
     shrunk = job.wait_for(lambda: next((e for e in job.events(h0.name) if e["event"] == "membership"), None), 90,
                           "h0 regroups alone")
     assert shrunk["via"] == "regroup" and shrunk["nnodes"] == 1 and shrunk["left"] == [f"{h1.name}:{MEMORY}"], shrunk
@@ -159,7 +168,7 @@ def test_elastic_job_on_hosts_shrinks_by_regroup_and_grows_back(cluster: Cluster
 
     restarts = [e for e in job.events(h0.name) if e["event"] == "restart"]
     assert [e["reason"] for e in restarts][1:] == ["MembershipChange"], restarts
-    assert restarts[0]["reason"] in ("Crash", "LostNode", "Hang"), restarts
+    assert restarts[0]["reason"] == "LostNode", restarts  # not the survivor's Hang (issue 25)
     assert "no restart counted" in restarts[-1]["why"], restarts[-1]
     st = job.state(h0)
     assert (st["restarts"], st["membership_changes"]) == (1, 1), st

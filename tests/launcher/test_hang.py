@@ -32,6 +32,7 @@ def test_eval_pass_longer_than_the_old_floor_is_no_hang_before_or_after_a_restar
     os.kill(job.worker_pid(1), signal.SIGKILL)  # a restart for another reason: what was learned must stay
     assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
     assert [f["reason"] for f in _faults(job)] in (["Crash"], ["Crash", "Crash"]), job.report()
+    assert {(f["node"], f["rank"]) for f in _faults(job)} == {(1, 1)}, job.report()
     assert {f["generation"] for f in _faults(job)} == {0}
     evals = [e for e in job.trace(0) if e["event"] == "eval"]
     assert {e["step"] for e in evals if e["generation"] == 1} >= {40, 60}, evals

@@ -29,7 +29,7 @@ def test_fault_restarts_in_process_under_the_launcher(make_job: Callable[..., Lo
         restarts = [e for e in ev if e["event"] == "restart"]
         assert [e["kind"] for e in restarts] == ["inprocess"], job.report()
         faults = [e for e in ev if e["event"] == "fault"]
-        assert faults and reason in str(faults[0]["reason"]), job.report()
+        assert faults and reason in str(faults[0]["reason"]) and faults[0]["node"] == 1, job.report()
         assert not any(e["event"] == "stopped" for e in ev), "no process may be stopped"
     for rank in (0, 1):
         tr = job.trace(rank)

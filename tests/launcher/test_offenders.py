@@ -87,7 +87,7 @@ def test_repeat_offender_stands_aside_and_the_spare_takes_its_rank(make_job: Cal
     exit1 = [e for e in job.events(1) if e["event"] == "exit"]
     assert exit1 and "spare" in exit1[-1]["why"], exit1  # it stood by to the end
     assert not [e for e in job.events() if e["event"] == "restart" and e.get("kind") == "job"], job.report()
-    assert [e["reason"] for e in _faults(job)] == ["Crash", "Crash"], _faults(job)
+    assert [(e["reason"], e["node"], e["rank"]) for e in _faults(job)] == [("Crash", 1, 1)] * 2, _faults(job)
     changes = [e for e in job.events(0) if e["event"] == "membership"]
     assert changes and changes[-1]["replaced"] == [{"node": 1, "left": node1, "by": f"{_host()}:{job.memory[2]}"}]
     # the spare's rank 1 resumed where the pair left off: the weights rank 0 had at that step

@@ -92,6 +92,7 @@ def test_a_killed_rank_is_replaced_alone_and_the_survivor_stays(make_job: Callab
     assert mine["rank"] == victim_rank and mine["pid"] == pids[1], mine
     fault = next(e for e in job.events(victim_rank) if e["event"] == "fault")
     assert fault["reason"] == "Crash" and fault["kind"] == "replace" and fault["rank"] == victim_rank
+    assert fault["node"] == victim_rank  # node n runs rank n
     joined = [e for e in job.trace(victim_rank) if e["event"] == "pg" and e["pid"] == pids[1]]
     assert joined and joined[0]["inproc"] >= 1 and joined[0]["reason"] == "Crash", joined
     back = [e for e in job.trace(survivor_rank) if e["event"] == "pg" and e.get("inproc") == joined[0]["inproc"]]
@@ -112,7 +113,7 @@ def test_a_replacement_killed_right_after_it_joined_converges_or_fails_with_a_re
     if codes == {0: 0, 1: 0}:
         assert _final_digests(job) == reference["inprocess"], "converged: bit for bit"
         faults = [e for e in job.events(1) if e["event"] == "fault"]
-        assert len(faults) >= 2 and all(f["reason"] == "Crash" for f in faults[:2]), job.report()
+        assert len(faults) >= 2 and all((f["reason"], f["node"]) == ("Crash", 1) for f in faults[:2]), job.report()
     else:
         assert any(str(e.get("why", "")).startswith(("CrashLoop", "NoProgress", "--max-restarts")) for e in exits), job.report()
 

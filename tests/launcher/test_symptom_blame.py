@@ -39,7 +39,7 @@ def test_the_peer_that_crashed_is_blamed_though_the_survivor_saw_a_crash_first(
     finally:
         os.kill(agent1, signal.SIGCONT)
     assert job.wait_exit(150) == {0: 0, 1: 0}, job.report()
-    assert_recovered(job, 0, "Crash")
+    assert_recovered(job, 0, "Crash", node=1, rank=1)
     for node in range(2):
         (fault,) = [e for e in job.events(node) if e["event"] == "fault"]
         assert (fault["node"], fault["rank"], fault["detail"]) == (1, 1, "exit code 3"), job.report()

@@ -59,7 +59,7 @@ def test_restarts_are_served_by_standbys_started_before_the_fault(make_job: Call
         kills.append(_kill_and_recover(job, gen))
     assert job.wait_exit(120) == {0: 0, 1: 0}, job.report()
     for gen, t_kill in zip((0, 1), kills, strict=True):
-        assert_recovered(job, gen, "Crash")
+        assert_recovered(job, gen, "Crash", node=1, rank=1)
         for r in RANKS:
             start = _starts(job, r, gen + 1)
             assert len(start) == 1 and start[0]["warm"] is True, (r, start)
@@ -80,7 +80,7 @@ def test_no_warm_starts_cold(make_job: Callable[..., LocalJob]) -> None:
     job.wait_for(lambda: job.last_step(1) >= 5, 90, "rank 1 reaches step 5")
     _kill_and_recover(job, 0, warm=False)
     assert job.wait_exit(120) == {0: 0, 1: 0}, job.report()
-    assert_recovered(job, 0, "Crash")
+    assert_recovered(job, 0, "Crash", node=1, rank=1)
     for r in RANKS:
         assert [e["warm"] for e in job.trace(r) if e["event"] == "start"] == [False, False]
     assert not [e for e in job.events() if e["event"] == "standby"]
