@@ -10,7 +10,8 @@ how they agree that every file is staged, between 4 and 5:
   2. ``pin_files(memory, N, names)``: the data files this rank or node holds, hard-linked so
      retention cannot recycle their shared-memory slots meanwhile (the drain pins on the
      committer thread, before its copy is queued). A file gone already pins as None.
-  3. ``check_files(pins, manifest, where)``, optional: every item's checksum, before a byte is sent.
+  3. ``check_files(pins, manifest, where)``, optional: every item's checksum, before a byte is sent
+     (a check that fails releases the pins).
   4. ``put_files(durable, N, S, pins)``: every pin is there, then ``Tier.put_file`` per file, in
      order; the pins are released whatever happens; returns the bytes sent.
      The agreement: all_gather (drain.py), a claim file (agent/drain.py), a store barrier
@@ -81,9 +82,13 @@ def release_pins(pins: Pins) -> None:
 
 def check_files(pins: Pins, manifest: layout.Manifest, where: str) -> None:
     """Every item of every pinned file against the manifest's checksums; IntegrityError at the first
-    that fails. The pins stay held (release them, or send them with ``put_files``)."""
-    for name, pin in _present(manifest.step, pins).items():
-        verify_items(_map(pin), [r for r in manifest.items if r.file == name], f"{where}/{name}")
+    that fails. A check that passes leaves the pins for ``put_files``; one that raises releases them."""
+    try:
+        for name, pin in _present(manifest.step, pins).items():
+            verify_items(_map(pin), [r for r in manifest.items if r.file == name], f"{where}/{name}")
+    except BaseException:
+        release_pins(pins)
+        raise
 
 
 def put_files(durable: Tier, step: int, save_id: str, pins: Pins,
