@@ -18,7 +18,7 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import Connection, PeerClient, PeerError
 from tierckpt.agent.store import NodeStore
-from tierckpt.integrity import verify_copy
+from tierckpt.tiers.integrity import verify_copy
 from tierckpt.tiers.peer import local_request
 
 NS = "agent-run"

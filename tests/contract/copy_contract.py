@@ -15,7 +15,6 @@ import pytest
 
 from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError
-from tierckpt.integrity import sealed_manifest
 from tierckpt.tiers import LocalTier, Tier
 from tierckpt.tiers.copy import (
     check_files,
@@ -26,6 +25,7 @@ from tierckpt.tiers.copy import (
     sealed_step,
     verify_step,
 )
+from tierckpt.tiers.integrity import sealed_manifest
 
 NS = "copy-run"
 METADATA = b"the step's .metadata"

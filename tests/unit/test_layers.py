@@ -34,7 +34,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "tierckpt._torch_compat", "tierckpt.metrics.*", "tierckpt.monitor",
                    "tierckpt.inprocess", "tierckpt.waitsample"),
     "node": ("tierckpt.node.*", "tierckpt.nodebudget", "tierckpt.protect", "tierckpt.unixsock"),
-    "tiers": ("tierckpt.tiers.*", "tierckpt.integrity"),
+    "tiers": ("tierckpt.tiers.*",),
     "engine.core": ("tierckpt.staging", "tierckpt.snapshot", "tierckpt.runtime", "tierckpt.topology"),
     "dcp": ("tierckpt.dcp.*",),
     "engine": ("tierckpt.drain", "tierckpt.localmode", "tierckpt.savepath", "tierckpt.loading",

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError
-from tierckpt.integrity import sealed_manifest_bytes, verified_metadata, verify_copy, verify_items
 from tierckpt.tiers.base import Tier
+from tierckpt.tiers.integrity import sealed_manifest_bytes, verified_metadata, verify_copy, verify_items
 from tierckpt.tiers.local import LocalTier
 
 __all__ = [
