@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import StorageError
+from tierckpt.node.sock import notify_committed
 from tierckpt.nodebudget import NodeBudget
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
@@ -23,7 +24,7 @@ from tierckpt.protect import read_protected
 from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
-from tierckpt.tiers.peer import notify_committed, open_peer
+from tierckpt.tiers.peer import open_peer
 
 __all__ = ["RankRuntime", "runtime_for"]
 
