@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import StorageError
+from tierckpt.node.budget import NodeBudget
 from tierckpt.node.sock import notify_committed
-from tierckpt.nodebudget import NodeBudget
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
 from tierckpt.protect import read_protected

@@ -33,7 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "tierckpt.policy", "tierckpt.observability", "tierckpt.handles", "tierckpt.guard",
                    "tierckpt._torch_compat", "tierckpt.metrics.*", "tierckpt.monitor",
                    "tierckpt.inprocess", "tierckpt.waitsample"),
-    "node": ("tierckpt.node.*", "tierckpt.nodebudget", "tierckpt.protect"),
+    "node": ("tierckpt.node.*", "tierckpt.protect"),
     "tiers": ("tierckpt.tiers.*",),
     "engine.core": ("tierckpt.staging", "tierckpt.snapshot", "tierckpt.runtime", "tierckpt.topology"),
     "dcp": ("tierckpt.dcp.*",),
@@ -121,7 +121,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.inprocess", "tierckpt.dcp.plancache"):
         "resilient clears DCP's plan cache before each generation (and so loads the whole dcp/ package)",
-    ("tierckpt.nodebudget", "tierckpt.tiers.peer"):
+    ("tierckpt.node.budget", "tierckpt.tiers.peer"):
         "local_request stays in tiers/peer.py while launcher/agent.py imports it there (node/sock.py takes it after step 4)",
     ("tierckpt.agent.drain", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
     ("tierckpt.agent.local", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",

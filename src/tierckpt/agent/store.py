@@ -27,7 +27,7 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
 from tierckpt.config import validate_namespace
 from tierckpt.errors import ConfigError, IntegrityError, TierckptError
-from tierckpt.nodebudget import node_usage_bytes
+from tierckpt.node.budget import node_usage_bytes
 from tierckpt.tiers.integrity import sealed_manifest_bytes
 from tierckpt.tiers.local import LocalTier
 
