@@ -33,7 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "tierckpt.policy", "tierckpt.observability", "tierckpt.handles", "tierckpt.guard",
                    "tierckpt._torch_compat", "tierckpt.metrics.*", "tierckpt.monitor",
                    "tierckpt.inprocess", "tierckpt.waitsample"),
-    "node": ("tierckpt.node.*", "tierckpt.protect"),
+    "node": ("tierckpt.node.*",),
     "tiers": ("tierckpt.tiers.*",),
     "engine.core": ("tierckpt.staging", "tierckpt.snapshot", "tierckpt.runtime", "tierckpt.topology"),
     "dcp": ("tierckpt.dcp.*",),
