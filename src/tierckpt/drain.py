@@ -1,15 +1,14 @@
 """The durable drain queue: copies of committed memory steps to the durable tier, in order.
 
 Call order (every rank, same order): the committer thread calls ``DrainQueue.submit`` after
-a step is committed in memory; one drain thread copies this rank's files (pinned so
-retention cannot recycle their slots), all ranks agree on the outcome over ``drain_group``,
+a step is committed in memory; one drain thread copies this rank's files (``tiers/copy.py``,
+pinned so retention cannot recycle their slots), all ranks agree on the outcome over ``drain_group``,
 then rank 0 (every rank in local mode) commits the step durably and applies retention.
 ``close`` waits for queued copies and stops the thread.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -17,10 +16,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tierckpt import layout, metrics
+from tierckpt import metrics
 from tierckpt.errors import DurableWriteError
 from tierckpt.observability import StepLogger, throughput
 from tierckpt.runtime import RankRuntime
+from tierckpt.tiers.copy import commit_step, pin_files, put_files, release_pins
 
 __all__ = ["DrainQueue"]
 
@@ -42,7 +42,7 @@ class DrainQueue:
     def submit(self, step: int, save_id: str, files: list[str], small: tuple[bytes, bytes] | None) -> Future[None]:
         """Queue the durable copy of a step committed in memory (committer thread only)."""
         self._bound(step)
-        pins = [self._pin(step, name) for name in files]
+        pins = pin_files(self.runtime.memory, step, files)  # retention cannot recycle their slots meanwhile
         future = self._executor.submit(self._drain, step, save_id, pins, small)
         self._drains.append(future)
         return future
@@ -66,30 +66,18 @@ class DrainQueue:
                 self._drains[0].exception()
                 self._drains = [f for f in self._drains if not f.done()]
 
-    def _pin(self, step: int, name: str) -> tuple[str, str]:
-        """Pin a data file so retention cannot recycle its slot before the drain copied it."""
-        pin = self.runtime.memory.pin(step, name)
-        return name, str(pin) if pin is not None else ""
-
-    def _copy_files(self, step: int, save_id: str, pins: list[tuple[str, str]]) -> int:
-        durable = self.runtime.durable
-        if durable is None:
-            raise DurableWriteError(f"step {step}: no durable tier is configured", tier="durable", step=step)
-        nbytes = 0  # this rank's share
+    def _copy_files(self, step: int, save_id: str, pins: dict[str, Path | None]) -> int:
+        """This rank's files to the durable tier; returns its share of the bytes."""
         try:
-            for name, pin in pins:
-                if not os.path.exists(pin):
-                    raise DurableWriteError(f"{name} of step {step} vanished from the memory tier before its drain",
-                                            tier="durable", step=step)
-                nbytes += os.path.getsize(pin)
-                durable.put_file(step, save_id, name, Path(pin))
-        finally:
-            for _, pin in pins:
-                if pin:
-                    self.runtime.memory.unpin(Path(pin))
-        return nbytes
+            durable = self.runtime.durable
+            if durable is None:
+                raise DurableWriteError(f"step {step}: no durable tier is configured", tier="durable", step=step)
+        except BaseException:
+            release_pins(pins)
+            raise
+        return put_files(durable, step, save_id, pins)
 
-    def _drain(self, step: int, save_id: str, pins: list[tuple[str, str]], small: tuple[bytes, bytes] | None) -> None:
+    def _drain(self, step: int, save_id: str, pins: dict[str, Path | None], small: tuple[bytes, bytes] | None) -> None:
         rt = self.runtime
         error: str | None = None
         cause: BaseException | None = None
@@ -109,7 +97,7 @@ class DrainQueue:
             try:
                 if small is None:
                     raise DurableWriteError(f"step {step}: no metadata to commit", tier="durable", step=step)
-                durable.commit(step, save_id, {layout.METADATA: small[0], layout.MANIFEST: small[1]})
+                commit_step(durable, step, save_id, small[0], small[1])
                 rt.apply_retention(durable, rt.durable_retention)
             except Exception as exc:  # the other ranks wait in the broadcast below; chained
                 failed, cause = [f"commit: {exc}"], exc

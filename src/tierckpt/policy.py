@@ -12,7 +12,7 @@ __all__ = ["DurablePolicy", "RetentionPolicy"]
 class RetentionPolicy:
     """Keep the newest ``keep`` committed steps of a tier (None keeps all), and every protected one.
 
-    ``protected``: steps the node agent listed in the namespace's ``.keep`` (``tierckpt.protect``):
+    ``protected``: steps the node agent listed in the namespace's ``.keep`` (``tierckpt.node.keep``):
     never selected; the newest ``keep`` of the others are kept as well.
     """
 

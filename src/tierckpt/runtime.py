@@ -16,14 +16,15 @@ from concurrent.futures import ThreadPoolExecutor
 from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import StorageError
-from tierckpt.nodebudget import NodeBudget
+from tierckpt.node.budget import NodeBudget
+from tierckpt.node.keep import read_protected
+from tierckpt.node.sock import notify_committed
 from tierckpt.observability import StepLogger
 from tierckpt.policy import RetentionPolicy
-from tierckpt.protect import read_protected
 from tierckpt.snapshot import Stager
 from tierckpt.staging import SlotPool
 from tierckpt.tiers import LocalTier, Tier, open_durable, open_memory
-from tierckpt.tiers.peer import notify_committed, open_peer
+from tierckpt.tiers.peer import open_peer
 
 __all__ = ["RankRuntime", "runtime_for"]
 
@@ -77,7 +78,7 @@ class RankRuntime:
         Over the node budget the node agent evicts peer-cache copies and replicas first; then
         the oldest committed memory step goes that is not the newest and not in use (pinned),
         one with a durable or peer copy before one that exists only here. Steps the node agent
-        protects (``tierckpt.protect``: a peer's replica is at them) go last, only when nothing
+        protects (``tierckpt.node.keep``: a peer's replica is at them) go last, only when nothing
         else can (a save that finds no slot fails; the warning says so).
         """
         node = self.node_budget
@@ -135,7 +136,7 @@ class RankRuntime:
     def apply_retention(self, tier: Tier, policy: RetentionPolicy) -> list[int]:
         """Delete what ``policy`` selects in ``tier``; failures are logged, not raised.
 
-        In the memory tier, steps the node agent protects (``tierckpt.protect``) are spared.
+        In the memory tier, steps the node agent protects (``tierckpt.node.keep``) are spared.
         """
         protected = read_protected(self.memory.ns_dir) if tier is self.memory else frozenset()
         try:

@@ -29,7 +29,7 @@ import torch
 
 from tierckpt import layout
 from tierckpt.errors import MemoryBudgetError, StorageError
-from tierckpt.nodebudget import NodeBudget, no_room_error
+from tierckpt.node.budget import NodeBudget, no_room_error
 from tierckpt.tiers.local import pid_alive
 
 __all__ = ["Slot", "SlotPool"]

@@ -18,7 +18,7 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.client import Connection, PeerClient, PeerError
 from tierckpt.agent.store import NodeStore
-from tierckpt.integrity import verify_copy
+from tierckpt.tiers.integrity import verify_copy
 from tierckpt.tiers.peer import local_request
 
 NS = "agent-run"
@@ -246,6 +246,30 @@ def test_flush_drains_the_newest_step_to_durable(node_dir, agent, tmp_path) -> N
     lose_namespace(a, a_dir, NS)  # its round's .keep lands there too
     step, tiers, sd = _load(a_dir, durable_url=url)
     assert (step, tiers) == (8, ["durable"]) and _equal(sd, _state(8))
+
+
+def test_flush_on_two_nodes_sends_each_nodes_files_and_the_one_holding_the_set_commits(
+        node_dir, agent, tmp_path) -> None:
+    """Each agent drains the files its node holds; the one that finds the set complete in the
+    durable staging area wins the claim and commits (marker last); the other reports 'partial'."""
+    from tests.contract.copy_contract import FILES, memory_tier, save_step
+    from tests.contract.copy_contract import NS as COPY_NS
+    from tierckpt.tiers import LocalTier
+
+    url = f"file://{tmp_path / 'durable'}"
+    names = sorted(FILES)
+    dirs = [node_dir("a"), node_dir("b")]
+    nodes = [agent(memory_dir=d, node_id=f"node-{i}", durable_url=url, replicas=0) for i, d in enumerate(dirs)]
+    for d, name in zip(dirs, names, strict=True):
+        save_step(memory_tier(d), 4, held=(name,))
+    first = nodes[0].flush(COPY_NS)
+    assert first["ok"] and first["drained"][COPY_NS] == {"step": 4, "state": "partial", "files": names[:1]}
+    durable = LocalTier(tmp_path / "durable", COPY_NS, name="durable", durable=True)
+    assert durable.list_steps() == []
+    second = nodes[1].flush(COPY_NS)
+    assert second["ok"] and second["drained"][COPY_NS] == {"step": 4, "state": "durable", "files": names[1:]}
+    assert verify_copy(durable, 4, COPY_NS).ok
+    assert sorted(durable.list_steps()[0].files) == sorted([*FILES, layout.METADATA, layout.MANIFEST, layout.MARKER])
 
 
 def _metric(text: str, line_start: str) -> float:

@@ -43,7 +43,7 @@ from tierckpt.agent.config import AgentConfig
 from tierckpt.agent.store import NodeStore
 from tierckpt.agent.wire import Connection
 from tierckpt.errors import ConfigError
-from tierckpt.integrity import verify_copy
+from tierckpt.tiers.integrity import verify_copy
 
 
 def test_the_node_id_is_bound_into_the_macs_and_only_the_sender_deletes(node_dir, agent) -> None:

@@ -36,7 +36,7 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent.config import AgentLimits
 from tierckpt.agent.store import NodeStore
 from tierckpt.errors import IntegrityError
-from tierckpt.integrity import verify_copy
+from tierckpt.tiers.integrity import verify_copy
 from tierckpt.tiers.peer import local_request
 
 

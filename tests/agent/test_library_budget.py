@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from tierckpt import CheckpointConfig, Checkpointer
-from tierckpt.nodebudget import node_usage_bytes
+from tierckpt.node.budget import node_usage_bytes
 
 MIB = 2**20
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tierckpt.tiers.peer import agent_socket, local_request, notify_committed
+from tierckpt.node.sock import agent_socket, notify_committed
+from tierckpt.tiers.peer import local_request
 
 
 def test_agent_with_a_deep_memory_root_serves_local_requests(node_dir, agent) -> None:

@@ -11,7 +11,7 @@ import torch
 import tierckpt
 from tests.agent.conftest import wait_for
 from tierckpt.agent.store import NodeStore
-from tierckpt.protect import read_protected
+from tierckpt.node.keep import read_protected
 
 NS = "keep-job"
 SECRET = b"job-secret-keep"

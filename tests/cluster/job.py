@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.cluster.hosts import Cluster, Host, children
-from tierckpt.bench.twonode import read_jsonl
+from tierckpt.testing.twonode import read_jsonl
 
 NS = "scn"
 RDZV_PORT = 29400

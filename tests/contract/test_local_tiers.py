@@ -10,9 +10,9 @@ import pytest
 
 from tests.contract.tier_contract import TierContract, commit
 from tierckpt import layout
-from tierckpt.integrity import sealed_manifest
 from tierckpt.tiers import LocalTier
 from tierckpt.tiers import local as local_module
+from tierckpt.tiers.integrity import sealed_manifest
 
 
 class LocalCommitProtocol:

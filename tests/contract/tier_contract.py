@@ -13,8 +13,8 @@ import pytest
 
 from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
-from tierckpt.integrity import sealed_manifest
 from tierckpt.tiers import Tier
+from tierckpt.tiers.integrity import sealed_manifest
 
 PAYLOAD = bytes(range(256)) * 4099  # ~1 MiB, not a multiple of any part size
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,26 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.testing.twonode import free_port, read_jsonl
 
 NS = "scn"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:  # a line being written
-            pass
-    return out
 
 
 def descendants(pid: int) -> list[int]:

@@ -14,7 +14,7 @@ import torch
 
 import tierckpt
 from tests.helpers.dist import run_ranks
-from tierckpt.nodebudget import node_usage_bytes
+from tierckpt.node.budget import node_usage_bytes
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tierckpt.bench.s3_server import LocalS3Server, find_weed
+from tierckpt.testing.s3_server import LocalS3Server, find_weed
 
 _TESTS = str(Path(__file__).resolve().parents[1])  # the shared helpers package (tests/helpers)
 if _TESTS not in sys.path:

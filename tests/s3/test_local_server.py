@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.bench.s3_server import LocalS3Server, find_weed
+from tierckpt.testing.s3_server import LocalS3Server, find_weed
 
 pytestmark = [pytest.mark.s3, pytest.mark.slow]
 

@@ -33,8 +33,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
                    "tierckpt.policy", "tierckpt.observability", "tierckpt.handles", "tierckpt.guard",
                    "tierckpt._torch_compat", "tierckpt.metrics.*", "tierckpt.monitor",
                    "tierckpt.inprocess", "tierckpt.waitsample"),
-    "node": ("tierckpt.node.*", "tierckpt.nodebudget", "tierckpt.protect", "tierckpt.unixsock"),
-    "tiers": ("tierckpt.tiers.*", "tierckpt.integrity"),
+    "node": ("tierckpt.node.*",),
+    "tiers": ("tierckpt.tiers.*",),
     "engine.core": ("tierckpt.staging", "tierckpt.snapshot", "tierckpt.runtime", "tierckpt.topology"),
     "dcp": ("tierckpt.dcp.*",),
     "engine": ("tierckpt.drain", "tierckpt.localmode", "tierckpt.savepath", "tierckpt.loading",
@@ -121,8 +121,8 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
 DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.inprocess", "tierckpt.dcp.plancache"):
         "resilient clears DCP's plan cache before each generation (and so loads the whole dcp/ package)",
-    ("tierckpt.nodebudget", "tierckpt.tiers.peer"):
-        "agent_socket/local_request live in tiers/peer.py until node/sock.py (step 2b)",
+    ("tierckpt.node.budget", "tierckpt.tiers.peer"):
+        "local_request stays in tiers/peer.py while launcher/agent.py imports it there (node/sock.py takes it after step 4)",
     ("tierckpt.agent.drain", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
     ("tierckpt.agent.local", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
     ("tierckpt.agent.prefetch", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from tierckpt import CheckpointConfig, Checkpointer, TieredStorageReader, UnsafeObjectError
 from tierckpt.errors import IntegrityError, LoadMismatchWarning, StateDictMismatchError
-from tierckpt.integrity import MappedReader
+from tierckpt.tiers.integrity import MappedReader
 from tierckpt.tiers.local import LocalFileReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

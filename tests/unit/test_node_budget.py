@@ -16,7 +16,7 @@ import torch
 
 from tierckpt import CheckpointConfig, Checkpointer, ConfigError, MemoryBudgetError
 from tierckpt.config import parse_memory_budget
-from tierckpt.nodebudget import node_usage_bytes
+from tierckpt.node.budget import node_usage_bytes
 from tierckpt.policy import RetentionPolicy
 from tierckpt.tiers.local import LocalTier
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 import tierckpt
+from tierckpt.node.keep import KEEP_FILE, read_protected, write_protected
 from tierckpt.policy import RetentionPolicy
-from tierckpt.protect import KEEP_FILE, read_protected, write_protected
 
 NS = "keep-run"
 

@@ -3,7 +3,7 @@
 ``flush`` (the launcher calls it on exit: "persist what memory holds, then stop") copies, for
 each namespace on this node, the newest committed memory step that has no durable copy: this
 node's data files first, then, once every file the manifest lists is in the durable staging
-area, the small files and the marker (``Tier.commit``: marker last). With several nodes
+area, the small files and the marker, last (``tiers/copy.py``). With several nodes
 each agent copies its own files; whichever finds the set complete commits (one claim file
 decides on a filesystem tier). A trainer killed mid-drain loses nothing: the agent's copy
 does not depend on it.
@@ -15,11 +15,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.errors import ConfigError, TierckptError
 from tierckpt.observability import get_logger, throughput
 from tierckpt.tiers import LocalTier, open_durable
+from tierckpt.tiers.copy import commit_step, pin_files, put_files, sealed_step
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent
@@ -86,25 +86,14 @@ def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
     try:
         if any(s.step == newest.step for s in durable.list_steps()):
             return {"step": newest.step, "state": "durable"}
-        mf_raw = memory.read_file(newest.step, layout.MANIFEST)
-        save_id = layout.check_marker(memory.read_file(newest.step, layout.MARKER), mf_raw,
-                                      where=memory.location(newest.step))
-        manifest = layout.Manifest.from_bytes(mf_raw)
-        md_raw = memory.read_file(newest.step, layout.METADATA)
-        t0, nbytes = time.perf_counter(), 0
-        mine = sorted(n for n in newest.files if n in manifest.files)
-        for name in mine:
-            pin = memory.pin(newest.step, name)
-            if pin is None:
-                raise TierckptError(f"{name} of step {newest.step} vanished from memory during the drain")
-            try:
-                nbytes += pin.stat().st_size
-                durable.put_file(newest.step, save_id, name, pin)
-            finally:
-                memory.unpin(pin)
-        if not _complete_and_claimed(durable, newest.step, save_id, set(manifest.files), set(mine)):
+        sealed = sealed_step(memory, newest.step, ns)
+        save_id = sealed.manifest.save_id
+        t0 = time.perf_counter()
+        mine = sorted(n for n in newest.files if n in sealed.manifest.files)
+        nbytes = put_files(durable, newest.step, save_id, pin_files(memory, newest.step, mine))
+        if not _complete_and_claimed(durable, newest.step, save_id, set(sealed.manifest.files), set(mine)):
             return {"step": newest.step, "state": "partial", "files": mine}
-        durable.commit(newest.step, save_id, {layout.METADATA: md_raw, layout.MANIFEST: mf_raw})
+        commit_step(durable, newest.step, save_id, sealed.metadata, sealed.manifest_raw)
         _log.info("[Agent %s] Step %d: drained %s to %s in %s", agent.node_id, newest.step, ns,
                   durable.location(newest.step), throughput(nbytes, time.perf_counter() - t0))
         return {"step": newest.step, "state": "durable", "files": mine}

@@ -28,8 +28,8 @@ from tierckpt.agent.client import PeerError, ask_all
 from tierckpt.agent.server import reply_error
 from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
 from tierckpt.errors import IntegrityError, StorageError, TierckptError
-from tierckpt.integrity import sealed_manifest_bytes
 from tierckpt.observability import get_logger
+from tierckpt.tiers.integrity import sealed_manifest_bytes
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent, Holder

@@ -15,7 +15,7 @@ replica is in flight); the steps are mostly the same ones, since ranks save in s
 
 Call order: ``refresh(agent)`` from the agent's round, at a put's admission and after it,
 and after a replication; it computes ``wanted(agent)`` and rewrites each own namespace's
-``.keep`` whose list changed (``tierckpt.protect``).
+``.keep`` whose list changed (``tierckpt.node.keep``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from tierckpt.agent import safefs
 from tierckpt.errors import TierckptError
+from tierckpt.node.keep import write_protected
 from tierckpt.observability import get_logger
-from tierckpt.protect import write_protected
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent

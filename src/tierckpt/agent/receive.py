@@ -36,8 +36,8 @@ from tierckpt.agent.store import Held, owner_hash
 from tierckpt.agent.transfer import StreamCheck, verify_file
 from tierckpt.agent.wire import Connection, WriteFailed
 from tierckpt.errors import IntegrityError
-from tierckpt.integrity import sealed_manifest_bytes
 from tierckpt.observability import get_logger, throughput
+from tierckpt.tiers.integrity import sealed_manifest_bytes
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent

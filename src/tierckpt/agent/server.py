@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from tierckpt.agent import protocol as p
 from tierckpt.agent.tls import ServerTLS
 from tierckpt.agent.wire import Connection
+from tierckpt.node.sock import short_path
 from tierckpt.observability import get_logger
-from tierckpt.unixsock import short_path
 
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent

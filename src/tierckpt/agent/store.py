@@ -27,8 +27,8 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
 from tierckpt.config import validate_namespace
 from tierckpt.errors import ConfigError, IntegrityError, TierckptError
-from tierckpt.integrity import sealed_manifest_bytes
-from tierckpt.nodebudget import node_usage_bytes
+from tierckpt.node.budget import node_usage_bytes
+from tierckpt.tiers.integrity import sealed_manifest_bytes
 from tierckpt.tiers.local import LocalTier
 
 __all__ = ["OWNERS", "QUARANTINE", "Held", "NodeStore", "owner_hash", "select_evictions"]

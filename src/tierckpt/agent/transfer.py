@@ -21,7 +21,7 @@ import xxhash
 
 from tierckpt import layout
 from tierckpt.errors import IntegrityError
-from tierckpt.integrity import verify_items
+from tierckpt.tiers.integrity import verify_items
 
 __all__ = ["CHUNK", "StreamCheck", "TransferClosed", "receive_into_file", "split_ranges", "verify_file"]
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from tierckpt.bench import recovery_faults
 from tierckpt.bench.harness.recovery_job import RecoveryJob, scratch, torch_version
-from tierckpt.bench.twonode import RANKS, JobTimeout
+from tierckpt.testing.twonode import RANKS, JobTimeout
 
 __all__ = ["main"]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tierckpt.bench.twonode import RANKS, TwoNodeJob
+from tierckpt.testing.twonode import RANKS, TwoNodeJob
 
 __all__ = ["describe", "lost_node", "nan", "prepare_nan"]
 

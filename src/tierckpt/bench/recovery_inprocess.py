@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.bench.harness.recovery_job import RecoveryJob, scratch, torch_version
-from tierckpt.bench.twonode import RANKS, JobTimeout
+from tierckpt.testing.twonode import RANKS, JobTimeout
 
 __all__ = ["main"]
 

@@ -106,7 +106,7 @@ def _s3(server_dir: str | None, enabled: bool) -> Iterator[tuple[str, S3Settings
     if not enabled:
         yield None
         return
-    from tierckpt.bench.s3_server import LocalS3Server, find_weed
+    from tierckpt.testing.s3_server import LocalS3Server, find_weed
     from tierckpt.tiers.s3 import make_client
 
     if find_weed() is None:

@@ -50,7 +50,7 @@ from tierckpt.bench.measure import (
     local_tensors,
     median,
 )
-from tierckpt.bench.s3_server import LocalS3Server
+from tierckpt.testing.s3_server import LocalS3Server
 
 __all__ = ["main"]
 

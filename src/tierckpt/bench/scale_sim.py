@@ -26,9 +26,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tierckpt.bench.storecount import Counter, CountingStore
 from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness
+from tierckpt.testing.storecount import Counter, CountingStore
 
 __all__ = ["BenchError", "serve"]
 

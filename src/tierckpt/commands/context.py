@@ -178,8 +178,8 @@ def human(n: float) -> str:
 
 def read_step(tier: Tier, step: int, namespace: str) -> tuple[layout.Manifest, Any]:
     """A committed copy's manifest and DCP metadata, both verified (IntegrityError if not)."""
-    from tierckpt.integrity import sealed_manifest, verified_metadata
     from tierckpt.record import loads_metadata
+    from tierckpt.tiers.integrity import sealed_manifest, verified_metadata
 
     manifest = sealed_manifest(tier, step, namespace)
     metadata = loads_metadata(verified_metadata(tier, manifest), where=f"{tier.location(step)}/{layout.METADATA}")

@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _verify_all(namespace: str, listings: list[tuple[Tier, list[StepListing]]]) -> dict[tuple[str, int], list[str]]:
-    from tierckpt.integrity import verify_copy
+    from tierckpt.tiers.integrity import verify_copy
 
     todo = [(tier, s) for tier, steps in listings for s in steps if s.committed]
     bad: dict[tuple[str, int], list[str]] = {}

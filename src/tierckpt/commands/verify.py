@@ -19,7 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from tierckpt.integrity import verify_copy
+    from tierckpt.tiers.integrity import verify_copy
 
     config = config_from(args)
     with tiers_of(config) as tiers:

@@ -35,10 +35,10 @@ from tierckpt import layout
 from tierckpt.dcp.safeload import check_object
 from tierckpt.dcp.sources import TIER_ERRORS, StepSources
 from tierckpt.errors import IntegrityError, StateDictMismatchError
-from tierckpt.integrity import MappedReader, open_reader, read_record
 from tierckpt.observability import StepLogger
 from tierckpt.tiers import Tier
 from tierckpt.tiers.base import RangeReader
+from tierckpt.tiers.integrity import MappedReader, open_reader, read_record
 
 __all__ = ["ItemReader"]
 

@@ -18,11 +18,11 @@ from tierckpt import layout
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import Availability
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
-from tierckpt.integrity import hash_record, new_buffer, open_reader, sealed_manifest, verified_metadata
 from tierckpt.observability import StepLogger
 from tierckpt.record import loads_metadata
 from tierckpt.runtime import RankRuntime
 from tierckpt.tiers import Tier
+from tierckpt.tiers.integrity import hash_record, new_buffer, open_reader, sealed_manifest, verified_metadata
 from tierckpt.tiers.peer import open_peer
 
 __all__ = ["TIER_ERRORS", "StepSources", "file_rank"]

@@ -13,41 +13,22 @@ step, bit for bit.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+
+from tierckpt.testing.twonode import free_port, read_jsonl
 
 __all__ = ["run_demo"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
-
-
 def _start(work: Path, memory: list[str], steps: int) -> list[subprocess.Popen[bytes]]:
-    port, rdzv_id = _free_port(), f"demo{os.getpid()}"
+    port, rdzv_id = free_port(), f"demo{os.getpid()}"
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
     for n in (0, 1):
@@ -85,19 +66,19 @@ def run_demo(*, steps: int = 40, workdir: str = "demo-output", memory_dir: str =
 
 
 def _last_step(work: Path, rank: int) -> int:
-    return max((e["step"] for e in _jsonl(work / f"trace_rank{rank}.jsonl") if e["event"] == "step"), default=-1)
+    return max((e["step"] for e in read_jsonl(work / f"trace_rank{rank}.jsonl") if e["event"] == "step"), default=-1)
 
 
 def _standbys_ready(work: Path) -> bool:
     """Every agent's standby interpreters (one per worker plus a spare) finished their imports."""
-    return all(len([e for e in _jsonl(work / f"events_node{n}.jsonl") if e["event"] == "standby" and "ready" in e])
+    return all(len([e for e in read_jsonl(work / f"events_node{n}.jsonl") if e["event"] == "standby" and "ready" in e])
                >= 2 for n in (0, 1))
 
 
 def _stages(work: Path, t_kill: float, g: int) -> list[tuple[str, float]]:
     """Seconds after the kill at which the slower node or rank reached each recovery stage."""
-    events = [e for n in (0, 1) for e in _jsonl(work / f"events_node{n}.jsonl")]
-    traces = {r: _jsonl(work / f"trace_rank{r}.jsonl") for r in (0, 1)}
+    events = [e for n in (0, 1) for e in read_jsonl(work / f"events_node{n}.jsonl")]
+    traces = {r: read_jsonl(work / f"trace_rank{r}.jsonl") for r in (0, 1)}
 
     def last(name: str, rank_events: bool = False) -> float:
         if rank_events:
@@ -129,8 +110,8 @@ def _watch(work: Path, procs: list[subprocess.Popen[bytes]], kill_at: int) -> in
     for p in procs:
         p.wait(timeout=240)
     codes = [p.returncode for p in procs]
-    events = [e for n in (0, 1) for e in _jsonl(work / f"events_node{n}.jsonl")]
-    traces = {r: _jsonl(work / f"trace_rank{r}.jsonl") for r in (0, 1)}
+    events = [e for n in (0, 1) for e in read_jsonl(work / f"events_node{n}.jsonl")]
+    traces = {r: read_jsonl(work / f"trace_rank{r}.jsonl") for r in (0, 1)}
     fault = min((e for e in events if e["event"] == "fault"), key=lambda e: e["time"], default=None)
     restart = max((e for e in events if e["event"] == "restart"), key=lambda e: e["time"], default=None)
     if fault is None or restart is None or codes != [0, 0]:

@@ -1,8 +1,8 @@
 """Persist on the way out: the newest committed memory step without a durable copy becomes durable.
 
 Called by every agent when the job is preempted (SIGTERM) or fails for good. Each node copies
-the data files its memory tier holds (verified first: a copy that fails its checksums is not
-sent); ``barrier()`` waits for the other nodes; then the leader (group rank 0) commits the
+the data files its memory tier holds (``tiers/copy.py``; pinned and verified first: a copy that
+fails its checksums is not sent); ``barrier()`` waits for the other nodes; then the leader (group rank 0) commits the
 step, marker last, if every file the manifest lists was copied. With one node the leader holds
 every file and needs no barrier.
 """
@@ -13,10 +13,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from tierckpt import layout
 from tierckpt.config import CheckpointConfig
-from tierckpt.integrity import sealed_manifest, verified_metadata, verify_copy
+from tierckpt.errors import IntegrityError
 from tierckpt.tiers import open_durable, open_memory
+from tierckpt.tiers.copy import check_files, commit_step, pin_files, put_files, sealed_step
 
 __all__ = ["persist_all", "persist_newest"]
 
@@ -45,15 +45,16 @@ def persist_newest(config: CheckpointConfig, *, leader: bool,
     newest = mem[-1].step
     if any(s.step == newest for s in durable.list_steps()):
         return None
-    manifest = sealed_manifest(memory, newest, config.namespace)
-    report = verify_copy(memory, newest, config.namespace, require_all_files=False)
-    if not report.ok:
-        log.warning("persist: step %s in memory fails verification (%s); not copied", newest, report.problems)
-        return None
     held = set(mem[-1].files)
-    for name in sorted(manifest.files):
-        if name in held and name.endswith(".distcp"):
-            durable.put_file(newest, manifest.save_id, name, memory.step_dir(newest) / name)
+    try:
+        sealed = sealed_step(memory, newest, config.namespace)
+        manifest = sealed.manifest
+        pins = pin_files(memory, newest, [n for n in sorted(manifest.files) if n in held and n.endswith(".distcp")])
+        check_files(pins, manifest, memory.location(newest))
+    except IntegrityError as exc:
+        log.warning("persist: step %s in memory fails verification (%s); not copied", newest, exc)
+        return None
+    put_files(durable, newest, manifest.save_id, pins)
     holds_all = all(n in held for n in manifest.files)
     all_there = holds_all or (barrier() if barrier is not None else False)
     if not leader and not holds_all:
@@ -61,9 +62,6 @@ def persist_newest(config: CheckpointConfig, *, leader: bool,
     if not all_there:
         log.warning("persist: not every node copied its files of step %s; not committed", newest)
         return None
-    durable.commit(newest, manifest.save_id, {
-        layout.METADATA: verified_metadata(memory, manifest),
-        layout.MANIFEST: memory.read_file(newest, layout.MANIFEST),
-    })
+    commit_step(durable, newest, manifest.save_id, sealed.metadata, sealed.manifest_raw)
     log.info("persist: step %s is durable at %s", newest, durable.location(newest))
     return newest

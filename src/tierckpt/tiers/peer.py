@@ -3,8 +3,7 @@
 A training process never talks to other nodes itself. When a node agent runs, it listens on
 ``<memory root>/.agent.sock``; this module is the library's whole view of it:
 
-- ``notify_committed(memory_dir, namespace, step)``: after each memory commit, tell the agent
-  (one non-blocking datagram-sized write; never waits, never raises; no agent → nothing).
+- ``notify_committed`` (``node/sock.py``): after each memory commit, tell the agent.
 - ``PeerTier``: a read-only tier for loads. ``catalog()`` asks the agent which steps and files
   its peers hold (their own memory steps and the replicas they keep, its own replicas too);
   ``read_file`` / ``map_file`` ask the agent to fetch one file, verified against the step's
@@ -27,35 +26,13 @@ from typing import Any
 
 from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, StorageError
+from tierckpt.node.sock import agent_socket, short_path
 from tierckpt.tiers.base import Source, StepListing
 from tierckpt.tiers.local import LocalTier
-from tierckpt.unixsock import short_path
 
-__all__ = ["PeerStep", "PeerTier", "agent_socket", "local_request", "notify_committed", "open_peer"]
+__all__ = ["PeerStep", "PeerTier", "local_request", "open_peer"]
 
 MAX_LINE = 4 << 20
-
-
-def agent_socket(memory_dir: str | os.PathLike[str]) -> Path:
-    return Path(memory_dir) / layout.AGENT_SOCKET
-
-
-def notify_committed(memory_dir: str | os.PathLike[str], namespace: str, step: int) -> bool:
-    """Tell this node's agent that ``step`` of ``namespace`` is committed here; True if sent."""
-    path = agent_socket(memory_dir)
-    if not path.exists():
-        return False
-    msg = json.dumps({"op": "committed", "ns": namespace, "step": step}).encode() + b"\n"
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        s.setblocking(False)  # a busy or wedged agent must never hold up a commit
-        with short_path(path) as where:
-            s.connect(where)
-        return s.send(msg) == len(msg)
-    except OSError:
-        return False
-    finally:
-        s.close()
 
 
 def local_request(memory_dir: str | os.PathLike[str], message: Mapping[str, Any], *,

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tierckpt.bench.storecount import Counter, CountingStore
 from tierckpt.launcher.control import connect_client
 from tierckpt.launcher.liveness import Liveness, Silence, Verdict
+from tierckpt.testing.storecount import Counter, CountingStore
 
 
 def _server() -> dist.TCPStore:  # type: ignore[name-defined]

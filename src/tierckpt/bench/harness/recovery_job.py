@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-from tierckpt.bench.twonode import TwoNodeJob
 from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.testing.twonode import TwoNodeJob
 
 __all__ = ["RecoveryJob", "scratch", "torch_version"]
 

@@ -24,7 +24,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from tierckpt.errors import MemoryBudgetError, StorageError
-from tierckpt.tiers.peer import agent_socket, local_request
+from tierckpt.node.sock import agent_socket
+from tierckpt.tiers.peer import local_request
 
 __all__ = ["NodeBudget", "no_room_error", "node_usage_bytes"]
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["LAUNCHERS", "JobTimeout", "TwoNodeJob", "read_jsonl"]
+__all__ = ["LAUNCHERS", "JobTimeout", "TwoNodeJob", "free_port", "read_jsonl"]
 
 LAUNCHERS = ("tierckpt", "torchrun")
 RANKS = (0, 1)
@@ -41,7 +41,8 @@ class JobTimeout(RuntimeError):
     """A condition the driver waited for did not come true in time."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -99,7 +100,7 @@ class TwoNodeJob:
         for m in self.memory:
             m.mkdir(parents=True)
         self.steps, self.step_time = steps, step_time
-        self.port = _free_port()
+        self.port = free_port()
         self.agents: list[subprocess.Popen[bytes]] = []
         self.extra: list[str] = []  # more arguments for the training script (fault injection)
         self.lost: list[subprocess.Popen[bytes]] = []  # agents replaced by ``relaunch`` (already killed)
