@@ -133,6 +133,8 @@ DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.agent.server", "tierckpt.agent.service"):
         "the servers dispatch through the Agent until they take callables (step 3b)",
     ("tierckpt.agent.local", "tierckpt.agent.server"): "reply_error lives in server.py until wire/protocol.py (step 3b)",
+    ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership"):
+        "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }

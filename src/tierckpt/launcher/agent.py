@@ -50,8 +50,9 @@ from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.claimwatch import ClaimWatch
 from tierckpt.launcher.control import JobControl, Liveness, connect_client
 from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_ones
+from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
-from tierckpt.launcher.escalation import Action, Decision, Fault
+from tierckpt.launcher.decide.offenders import OffenderPolicy
 from tierckpt.launcher.events import Events, describe_error
 from tierckpt.launcher.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
 from tierckpt.launcher.heartbeat import BeatTracker
@@ -64,7 +65,6 @@ from tierckpt.launcher.membership import (
     prior_restarts,
     restart_history,
 )
-from tierckpt.launcher.offenders import OffenderPolicy
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.procwatch import sample_ranks, wait_places
 from tierckpt.launcher.rdzvwait import RendezvousProgress

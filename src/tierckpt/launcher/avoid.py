@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher.offenders import NodeFault, OffenderPolicy, attribute
+from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy, attribute
 
 __all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided", "leave_round",
            "publish_machine", "write_avoid_file"]

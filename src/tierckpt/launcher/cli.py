@@ -186,7 +186,7 @@ def _max_nodes(nnodes: str) -> int:
 
 def _options(args: Namespace) -> Any:
     from tierckpt.launcher.avoid import AvoidSettings
-    from tierckpt.launcher.escalation import EscalationPolicy
+    from tierckpt.launcher.decide.escalation import EscalationPolicy
     from tierckpt.launcher.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
     from tierckpt.launcher.membership import Elastic

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierckpt.launcher.avoid import AvoidSettings
-from tierckpt.launcher.escalation import EscalationPolicy
+from tierckpt.launcher.decide.escalation import EscalationPolicy
 from tierckpt.launcher.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
 from tierckpt.launcher.membership import Elastic

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierckpt import workerenv
-from tierckpt.launcher.escalation import Action, Decision
+from tierckpt.launcher.decide.escalation import Action, Decision
 
 __all__ = ["JOIN_ENV", "REPLACE", "Route", "StoreHost", "route", "tag"]
 

@@ -12,8 +12,8 @@ import pytest
 
 from tests.unit.launcher.conftest import client as _client
 from tierckpt.launcher.avoid import RepeatOffenders, leave_round
+from tierckpt.launcher.decide.offenders import OffenderPolicy
 from tierckpt.launcher.membership import MEMBERSHIP_CHANGE
-from tierckpt.launcher.offenders import OffenderPolicy
 
 
 def _claim(g: int, node: int | None, t: float, reason: str = "Crash") -> dict[str, Any]:

@@ -24,7 +24,7 @@ from tierckpt.launcher.avoid import (
     publish_machine,
     write_avoid_file,
 )
-from tierckpt.launcher.offenders import NodeFault, OffenderPolicy
+from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy
 from tierckpt.launcher.seats import FirstSeats
 from tierckpt.launcher.spares import SpareGate, open_seats, publish_nodes
 

@@ -11,7 +11,8 @@ import pytest
 
 from tierckpt.errors import ConfigError
 from tierckpt.launcher import ranks
-from tierckpt.launcher.escalation import EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import EscalationPolicy, Fault
+from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy, attribute
 from tierckpt.launcher.jobspec import RestartPolicy
 from tierckpt.launcher.membership import (
     MEMBERSHIP_CHANGE,
@@ -22,7 +23,6 @@ from tierckpt.launcher.membership import (
     restart_history,
     shrink,
 )
-from tierckpt.launcher.offenders import NodeFault, OffenderPolicy, attribute
 from tierckpt.launcher.ranks import Claim
 from tierckpt.launcher.spares import (
     JobEnded,

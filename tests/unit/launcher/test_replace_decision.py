@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.launcher.escalation import Action, Decision, EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import Action, Decision, EscalationPolicy, Fault
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.inprocess import InProcessRestarts
 from tierckpt.launcher.replace import REPLACE, Route, route, tag

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tierckpt.launcher import resume
-from tierckpt.launcher.escalation import Action, EscalationPolicy, Fault, restarts_before
+from tierckpt.launcher.decide.escalation import Action, EscalationPolicy, Fault, restarts_before
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 
 T0 = 1_700_000_000.0
