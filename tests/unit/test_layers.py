@@ -23,7 +23,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 # layer -> module patterns: "a.b" is that module; "a.b.*" is the package a.b and everything under
-# it (never a plain module a/b.py: launcher/control.py is not the future control/ package). The
+# it (never a plain module a/b.py: a flat launcher/x.py is not a package x/). The
 # longest matching pattern wins, so the flat launcher/ falls back to "launcher".
 LAYERS: dict[str, tuple[str, ...]] = {
     "face": ("tierckpt",),

@@ -27,8 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tierckpt.bench.storecount import Counter, CountingStore
-from tierckpt.launcher.claimwatch import ClaimWatch
-from tierckpt.launcher.control import JobControl, Liveness
+from tierckpt.launcher.control.claimwatch import ClaimWatch
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
 
 __all__ = ["BenchError", "serve"]
 

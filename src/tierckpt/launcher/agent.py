@@ -42,13 +42,14 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from tierckpt import workerenv
-from tierckpt.launcher import ranks, resume
+from tierckpt.launcher import ranks
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.agent_membership import MembershipPath
 from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
 from tierckpt.launcher.busyboard import BusyBoard
-from tierckpt.launcher.claimwatch import ClaimWatch
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.control import resume
+from tierckpt.launcher.control.claimwatch import ClaimWatch
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
 from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_ones
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind

@@ -31,7 +31,7 @@ from tierckpt.launcher.avoid import (
     publish_machine,
     write_avoid_file,
 )
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.membership import MEMBERSHIP_CHANGE, Change, shrink
 from tierckpt.launcher.options import RunOptions

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from tierckpt.launcher.cli import _agent_across_hosts, _agent_config, build_parser
-from tierckpt.launcher.control import JobControl
+from tierckpt.launcher.control.jobcontrol import JobControl
 
 
 def _args(*extra: str) -> object:

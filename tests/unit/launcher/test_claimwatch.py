@@ -12,8 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from tierckpt.launcher.claimwatch import ClaimWatch
-from tierckpt.launcher.control import JobControl, connect_client
+from tierckpt.launcher.control.claimwatch import ClaimWatch
+from tierckpt.launcher.control.jobcontrol import JobControl, connect_client
 
 
 @pytest.fixture(params=[False, True], ids=["legacy-server", "libuv-server"])

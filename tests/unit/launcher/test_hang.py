@@ -285,7 +285,7 @@ def test_busy_board_on_a_real_store() -> None:
     import torch.distributed as dist
 
     from tierckpt.launcher.busyboard import BusyBoard
-    from tierckpt.launcher.control import connect_client
+    from tierckpt.launcher.control.jobcontrol import connect_client
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
     a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 import tierckpt.monitor as monitor
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
 from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import Beat, read_beat
 

@@ -32,7 +32,7 @@ import datetime
 import json
 from typing import Any
 
-from tierckpt.launcher.liveness import Liveness
+from tierckpt.launcher.control.liveness import Liveness
 
 __all__ = ["JobControl", "Liveness"]
 
