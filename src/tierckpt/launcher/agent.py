@@ -46,7 +46,6 @@ from tierckpt.launcher import ranks
 from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.agent_membership import MembershipPath
 from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
-from tierckpt.launcher.busyboard import BusyBoard
 from tierckpt.launcher.control import resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
@@ -54,11 +53,16 @@ from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_one
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
 from tierckpt.launcher.decide.offenders import OffenderPolicy
+from tierckpt.launcher.detect.busyboard import BusyBoard
+from tierckpt.launcher.detect.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
+from tierckpt.launcher.detect.heartbeat import BeatTracker
+from tierckpt.launcher.detect.logwatch import LineReader
+from tierckpt.launcher.detect.procwatch import sample_ranks, wait_places
+from tierckpt.launcher.detect.rules import RuleMonitor
+from tierckpt.launcher.detect.symptom import peer_failure, tail
+from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
-from tierckpt.launcher.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
-from tierckpt.launcher.heartbeat import BeatTracker
 from tierckpt.launcher.inprocess import InProcessRestarts
-from tierckpt.launcher.logwatch import LineReader
 from tierckpt.launcher.membership import (
     MEMBERSHIP_CHANGE,
     Change,
@@ -67,11 +71,9 @@ from tierckpt.launcher.membership import (
     restart_history,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
-from tierckpt.launcher.procwatch import sample_ranks, wait_places
 from tierckpt.launcher.rdzvwait import RendezvousProgress
 from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
-from tierckpt.launcher.rules import RuleMonitor
 from tierckpt.launcher.seats import SeatBeat
 from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
 from tierckpt.launcher.spares import (
@@ -83,8 +85,6 @@ from tierckpt.launcher.spares import (
     publish_nodes,
     report_round,
 )
-from tierckpt.launcher.symptom import peer_failure, tail
-from tierckpt.launcher.wake import Waker
 from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.launcher.watchdog import start_watchdog
 from tierckpt.launcher.workers import start_context, static_env, worker_envs

@@ -187,7 +187,7 @@ def _max_nodes(nnodes: str) -> int:
 def _options(args: Namespace) -> Any:
     from tierckpt.launcher.avoid import AvoidSettings
     from tierckpt.launcher.decide.escalation import EscalationPolicy
-    from tierckpt.launcher.heartbeat import HeartbeatPolicy
+    from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
     from tierckpt.launcher.membership import Elastic
     from tierckpt.launcher.options import RunOptions
@@ -235,7 +235,7 @@ def _options(args: Namespace) -> Any:
 
 
 def _hang_policy(args: Namespace) -> Any:
-    from tierckpt.launcher.hang import HangPolicy
+    from tierckpt.launcher.detect.hang import HangPolicy
 
     ceiling = args.hang_ceiling
     if ceiling is not None and not (math.isfinite(ceiling) and ceiling > 0):

@@ -7,7 +7,7 @@ from typing import Any
 
 from tierckpt.launcher.avoid import AvoidSettings
 from tierckpt.launcher.decide.escalation import EscalationPolicy
-from tierckpt.launcher.heartbeat import HeartbeatPolicy
+from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
 from tierckpt.launcher.membership import Elastic
 from tierckpt.launcher.warm import WarmPolicy

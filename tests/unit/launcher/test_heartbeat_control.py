@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import tierckpt.monitor as monitor
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
-from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import Beat, read_beat
 
 
@@ -179,7 +179,7 @@ def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
     import signal
     import subprocess
 
-    from tierckpt.launcher.wake import Waker
+    from tierckpt.launcher.detect.wake import Waker
 
     before = signal.getsignal(signal.SIGCHLD)
     waker = Waker()
@@ -199,8 +199,8 @@ def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
 def test_a_log_rule_match_says_the_job_started() -> None:
     import re
 
+    from tierckpt.launcher.detect.rules import RuleMonitor
     from tierckpt.launcher.jobspec import LogRule
-    from tierckpt.launcher.rules import RuleMonitor
 
     mon = RuleMonitor([LogRule(name="Start", log_pattern=re.compile(".*Loss:.*"))], 0.0)
     mon.feed("loading data", 1.0)
