@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.launcher.workers.warm import kill_if_standby
 
 NS = "scn"
 

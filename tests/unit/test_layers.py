@@ -135,6 +135,8 @@ DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.agent.local", "tierckpt.agent.server"): "reply_error lives in server.py until wire/protocol.py (step 3b)",
     ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership"):
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
+    ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):
+        "the workers' environment is built from RunOptions until launch.py takes values (step 6, Workers)",
     ("tierckpt.launcher.agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }

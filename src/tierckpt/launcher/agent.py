@@ -72,7 +72,6 @@ from tierckpt.launcher.membership import (
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.rdzvwait import RendezvousProgress
-from tierckpt.launcher.reaper import Reaper
 from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.seats import SeatBeat
 from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
@@ -85,9 +84,10 @@ from tierckpt.launcher.spares import (
     publish_nodes,
     report_round,
 )
-from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
-from tierckpt.launcher.watchdog import start_watchdog
-from tierckpt.launcher.workers import start_context, static_env, worker_envs
+from tierckpt.launcher.workers.launch import start_context, static_env, worker_envs
+from tierckpt.launcher.workers.reaper import Reaper
+from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
+from tierckpt.launcher.workers.watchdog import start_watchdog
 from tierckpt.monitor import NON_FINITE_LOSS, read_beat
 from tierckpt.tiers.local import pid_alive
 

@@ -37,7 +37,7 @@ from tierckpt.launcher.membership import MEMBERSHIP_CHANGE, Change, shrink
 from tierckpt.launcher.options import RunOptions
 from tierckpt.launcher.seats import FirstSeats, SeatBeat
 from tierckpt.launcher.spares import JobEnded, SpareGate, arrivals, spares_waiting
-from tierckpt.launcher.warm import StandbyPool
+from tierckpt.launcher.workers.warm import StandbyPool
 
 __all__ = ["MembershipPath"]
 

@@ -244,7 +244,7 @@ def _hang_policy(args: Namespace) -> Any:
 
 
 def _warm_policy(args: Namespace) -> Any:
-    from tierckpt.launcher.warm import WarmPolicy
+    from tierckpt.launcher.workers.warm import WarmPolicy
 
     imports = tuple(m.strip() for m in args.warm_imports.split(",") if m.strip())
     for name in imports:
@@ -318,7 +318,7 @@ def launch(args: Namespace, opts: Any) -> int:
     from tierckpt.launcher.agent import TierckptAgent
     from tierckpt.launcher.events import describe_error
     from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT
-    from tierckpt.launcher.reaper import Reaper
+    from tierckpt.launcher.workers.reaper import Reaper
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

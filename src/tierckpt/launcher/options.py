@@ -10,7 +10,7 @@ from tierckpt.launcher.decide.escalation import EscalationPolicy
 from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
 from tierckpt.launcher.membership import Elastic
-from tierckpt.launcher.warm import WarmPolicy
+from tierckpt.launcher.workers.warm import WarmPolicy
 
 __all__ = ["FULL_RESTART_EXIT", "LAUNCHER_ERROR_EXIT", "RunOptions"]
 

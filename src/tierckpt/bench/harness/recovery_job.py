@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType
 
 from tierckpt.bench.twonode import TwoNodeJob
-from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.launcher.workers.warm import kill_if_standby
 
 __all__ = ["RecoveryJob", "scratch", "torch_version"]
 
