@@ -7,7 +7,7 @@
     TIERCKPT_RESUME_BEFORE    agent.py (resume.py's bound N)    config.py: CheckpointConfig.resume_before
     TIERCKPT_GENERATION       workers/launch.py: the job-wide restart count; config.py (a worker of tierckpt run)
     TIERCKPT_MONITOR_DIR      workers/launch.py: the directory below  monitor.py, inprocess.py, waitsample.py
-    TIERCKPT_INPROC_STORE     replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
+    TIERCKPT_INPROC_STORE     inprocess/replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
     TIERCKPT_INPROC_JOIN      agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
     TIERCKPT_WARM             workers/standby.py: "1" in a warm worker, "0" after a cold start in its place
     TIERCKPT_WARM_SINCE       workers/standby.py: when the warm worker's standby was spawned
@@ -15,8 +15,8 @@
     $TIERCKPT_MONITOR_DIR/
         beat_<local rank>           heartbeats: monitor.py writes, the agent reads (heartbeat.read_beat)
         where_<local rank>          where an idle main thread waits: waitsample.py writes, procwatch.py reads
-        inproc_<local rank>.jsonl   in-process restarts: inprocess.py appends, launcher/inprocess.py reads
-        inproc_request              an increasing request counter: launcher/inprocess.py writes,
+        inproc_<local rank>.jsonl   in-process restarts: inprocess.py appends, launcher/inprocess/restarts.py reads
+        inproc_request              an increasing request counter: launcher/inprocess/restarts.py writes,
                                     inprocess.py's watchdog reads
 
 Names only: the launcher writes them, the worker side (config.py, monitor.py, inprocess.py) reads them.

@@ -14,7 +14,7 @@ Call order (one agent per node, all the same code):
      node), then restart in place (same membership, no rendezvous round), or re-rendezvous
      (a node was lost), or exit ``FULL_RESTART_EXIT`` / fail, persisting the newest memory step.
      Workers under ``tierckpt.resilient`` skip the stop: a live-process fault restarts them
-     in-process (inprocess.py), a dead one is replaced alone while the others stay (replace.py).
+     in-process (inprocess/restarts.py), a dead one is replaced alone while the others stay (replace.py).
      A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
      whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
      A ``MembershipChange`` (a node arrived) restarts without counting a restart. A repeat
@@ -62,7 +62,8 @@ from tierckpt.launcher.detect.rules import RuleMonitor
 from tierckpt.launcher.detect.symptom import peer_failure, tail
 from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
-from tierckpt.launcher.inprocess import InProcessRestarts
+from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost, tag
+from tierckpt.launcher.inprocess.restarts import InProcessRestarts
 from tierckpt.launcher.membership import (
     MEMBERSHIP_CHANGE,
     Change,
@@ -72,7 +73,6 @@ from tierckpt.launcher.membership import (
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.rdzvwait import RendezvousProgress
-from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.seats import SeatBeat
 from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
 from tierckpt.launcher.spares import (
@@ -128,7 +128,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
         # ``node`` is the group rank, known from the first rendezvous on (None before it)
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
-        self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess.py)
+        self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess/restarts.py)
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
         self._calibrated_reported = False
         self._node_agent: Any = None
