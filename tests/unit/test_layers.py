@@ -133,10 +133,16 @@ DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.agent.server", "tierckpt.agent.service"):
         "the servers dispatch through the Agent until they take callables (step 3b)",
     ("tierckpt.agent.local", "tierckpt.agent.server"): "reply_error lives in server.py until wire/protocol.py (step 3b)",
-    ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership"):
+    ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership.change"):
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):
         "the workers' environment is built from RunOptions until launch.py takes values (step 6, Workers)",
+    ("tierckpt.launcher.membership.ranks", "tierckpt.launcher.state"):
+        "STATE_DIR is named in state.py until layout.py names the launcher's state dir (§3.1)",
+    ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.options"):
+        "the agent's membership path, moved out of agent.py as is, reads RunOptions until Rounds (step 6)",
+    ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.workers.warm"):
+        "the spare gate asks the agent's StandbyPool whether its standbys are ready, until Rounds (step 6)",
     ("tierckpt.launcher.agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }

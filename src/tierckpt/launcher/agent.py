@@ -16,7 +16,7 @@ Call order (one agent per node, all the same code):
      Workers under ``tierckpt.resilient`` skip the stop: a live-process fault restarts them
      in-process (inprocess/restarts.py), a dead one is replaced alone while the others stay (replace.py).
      A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
-     whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
+     whose survivors are at least MIN regroups without a round (membership/change.py, ``_regroup``).
      A ``MembershipChange`` (a node arrived) restarts without counting a restart. A repeat
      offender (avoid.py) leaves for the spare gate at a process restart; a waiting spare takes its rank.
 """
@@ -42,10 +42,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from tierckpt import workerenv
-from tierckpt.launcher import ranks
 from tierckpt.launcher import state as restart_state
-from tierckpt.launcher.agent_membership import MembershipPath
-from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
 from tierckpt.launcher.control import resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
@@ -64,18 +61,20 @@ from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
 from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.inprocess.restarts import InProcessRestarts
-from tierckpt.launcher.membership import (
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.agent_membership import MembershipPath
+from tierckpt.launcher.membership.avoid import KeepOut, RepeatOffenders
+from tierckpt.launcher.membership.change import (
     MEMBERSHIP_CHANGE,
     Change,
     missing_nodes,
     prior_restarts,
     restart_history,
 )
-from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
-from tierckpt.launcher.rdzvwait import RendezvousProgress
-from tierckpt.launcher.seats import SeatBeat
-from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
-from tierckpt.launcher.spares import (
+from tierckpt.launcher.membership.rdzvwait import RendezvousProgress
+from tierckpt.launcher.membership.seats import SeatBeat
+from tierckpt.launcher.membership.snooze import ScaleUpSnooze, scaled_down
+from tierckpt.launcher.membership.spares import (
     JobEnded,
     SpareWatch,
     arrivals,
@@ -84,6 +83,7 @@ from tierckpt.launcher.spares import (
     publish_nodes,
     report_round,
 )
+from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.workers.launch import start_context, static_env, worker_envs
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable

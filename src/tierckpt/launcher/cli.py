@@ -185,11 +185,11 @@ def _max_nodes(nnodes: str) -> int:
 
 
 def _options(args: Namespace) -> Any:
-    from tierckpt.launcher.avoid import AvoidSettings
     from tierckpt.launcher.decide.escalation import EscalationPolicy
     from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
-    from tierckpt.launcher.membership import Elastic
+    from tierckpt.launcher.membership.avoid import AvoidSettings
+    from tierckpt.launcher.membership.change import Elastic
     from tierckpt.launcher.options import RunOptions
 
     policy = RunPolicy()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.launcher import ranks
 from tierckpt.launcher.cli import _agent_config, build_parser
-from tierckpt.launcher.ranks import Claim, assign
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.ranks import Claim, assign
 from tierckpt.launcher.workers.reaper import Reaper, start_time
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from tierckpt.launcher.control import resume
 from tierckpt.launcher.decide.escalation import Action, EscalationPolicy, Fault, restarts_before
-from tierckpt.launcher.rdzvwait import RendezvousProgress
+from tierckpt.launcher.membership.rdzvwait import RendezvousProgress
 
 T0 = 1_700_000_000.0
 

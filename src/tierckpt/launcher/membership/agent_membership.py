@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from tierckpt.launcher import ranks
-from tierckpt.launcher.avoid import (
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
+from tierckpt.launcher.events import Events
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.avoid import (
     Avoided,
     KeepOut,
     RepeatOffenders,
@@ -31,12 +33,10 @@ from tierckpt.launcher.avoid import (
     publish_machine,
     write_avoid_file,
 )
-from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
-from tierckpt.launcher.events import Events
-from tierckpt.launcher.membership import MEMBERSHIP_CHANGE, Change, shrink
+from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE, Change, shrink
+from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat
+from tierckpt.launcher.membership.spares import JobEnded, SpareGate, arrivals, spares_waiting
 from tierckpt.launcher.options import RunOptions
-from tierckpt.launcher.seats import FirstSeats, SeatBeat
-from tierckpt.launcher.spares import JobEnded, SpareGate, arrivals, spares_waiting
 from tierckpt.launcher.workers.warm import StandbyPool
 
 __all__ = ["MembershipPath"]

@@ -55,9 +55,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.launcher.membership import Change
-from tierckpt.launcher.rdzvwait import WhileBlocked
-from tierckpt.launcher.seats import FirstSeats, SeatBeat, SeatWatch, take
+from tierckpt.launcher.membership.change import Change
+from tierckpt.launcher.membership.rdzvwait import WhileBlocked
+from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat, SeatWatch, take
 
 __all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "finished", "open_seats", "publish_nodes", "report_round",
            "spares_waiting", "standing_by"]
