@@ -707,10 +707,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
 
     def _prefetch(self) -> None:
         """Right after a rendezvous, before the workers start: the hosted agent pulls this node's
-        ranks' newest state from peers if its memory lacks it (a replacement; launcher/prefetch.py)."""
+        ranks' newest state from peers if its memory lacks it (a replacement; launcher/dataplane/prefetch.py)."""
         if self._node_agent is not None:
             self._discover_peers(wait_s=min(5.0, self.opts.node_timeout_s))  # the peers of the new membership
-            from tierckpt.launcher import prefetch
+            from tierckpt.launcher.dataplane import prefetch
 
             prefetch.start(self._node_agent, self.opts.namespace, [w.global_rank for w in self._worker_group.workers],
                            self.events, self.generation)
@@ -965,7 +965,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self.events.emit("warning", generation=self.generation, what=f"agent flush failed: {exc}")
             return
         from tierckpt.config import CheckpointConfig
-        from tierckpt.launcher.persist import persist_all
+        from tierckpt.launcher.dataplane.persist import persist_all
 
         def wait_all() -> bool:
             return self._barrier(f"persisted/{self.generation}", timeout=60.0)
