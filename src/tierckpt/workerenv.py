@@ -4,11 +4,11 @@
     TIERCKPT_NAMESPACE        workers/launch.py (--namespace)   config.py: CheckpointConfig.namespace
     TIERCKPT_MEMORY_DIR       workers/launch.py (--memory-dir)  config.py: CheckpointConfig.memory_dir
     TIERCKPT_DURABLE_URL      workers/launch.py (--durable-url) config.py: CheckpointConfig.durable_url
-    TIERCKPT_RESUME_BEFORE    agent.py (resume.py's bound N)    config.py: CheckpointConfig.resume_before
+    TIERCKPT_RESUME_BEFORE    supervisor/torch_agent.py (control/resume.py's bound N)  config.py: CheckpointConfig.resume_before
     TIERCKPT_GENERATION       workers/launch.py: the job-wide restart count; config.py (a worker of tierckpt run)
     TIERCKPT_MONITOR_DIR      workers/launch.py: the directory below  monitor.py, inprocess.py, waitsample.py
     TIERCKPT_INPROC_STORE     inprocess/replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
-    TIERCKPT_INPROC_JOIN      agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
+    TIERCKPT_INPROC_JOIN      supervisor/torch_agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
     TIERCKPT_WARM             workers/standby.py: "1" in a warm worker, "0" after a cold start in its place
     TIERCKPT_WARM_SINCE       workers/standby.py: when the warm worker's standby was spawned
 

@@ -61,7 +61,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "launcher.inprocess": ("tierckpt.launcher.inprocess.*",),
     "launcher.supervisor": ("tierckpt.launcher.supervisor.*",),
     "launcher.cli": ("tierckpt.launcher", "tierckpt.launcher.cli"),
-    # today's flat launcher/ until §3.7 step 4 moves its modules into the sub-packages above
+    # the launcher's root beside the sub-packages: options.py (RunOptions composes their policies)
     "launcher": ("tierckpt.launcher.*",),
     "adapters": ("tierckpt.integrations.*", "tierckpt.compat.*"),
     "commands": ("tierckpt.commands.*",),
@@ -137,13 +137,13 @@ DEBTS: dict[tuple[str, str], str] = {
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):
         "the workers' environment is built from RunOptions until launch.py takes values (step 6, Workers)",
-    ("tierckpt.launcher.membership.ranks", "tierckpt.launcher.state"):
-        "STATE_DIR is named in state.py until layout.py names the launcher's state dir (§3.1)",
+    ("tierckpt.launcher.membership.ranks", "tierckpt.launcher.supervisor.runstate"):
+        "STATE_DIR is named in supervisor/runstate.py until layout.py names the launcher's state dir (§3.1)",
     ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.options"):
-        "the agent's membership path, moved out of agent.py as is, reads RunOptions until Rounds (step 6)",
+        "the agent's membership path, moved out of torch_agent.py as is, reads RunOptions until Rounds (step 6)",
     ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.workers.warm"):
         "the spare gate asks the agent's StandbyPool whether its standbys are ready, until Rounds (step 6)",
-    ("tierckpt.launcher.agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
+    ("tierckpt.launcher.supervisor.torch_agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }
 

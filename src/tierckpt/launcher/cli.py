@@ -315,9 +315,9 @@ def launch(args: Namespace, opts: Any) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
     from torch.distributed.run import config_from_args
 
-    from tierckpt.launcher.agent import TierckptAgent
     from tierckpt.launcher.events import describe_error
     from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT
+    from tierckpt.launcher.supervisor.torch_agent import TierckptAgent
     from tierckpt.launcher.workers.reaper import Reaper
 
     if args.standalone:
@@ -340,7 +340,7 @@ def launch(args: Namespace, opts: Any) -> int:
                                   local_addr=config.local_addr, **config.rdzv_configs)
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    # workers meet on a fresh store per generation (agent.py), never on the agents' store; and
+    # workers meet on a fresh store per generation (supervisor/torch_agent.py), never on the agents' store; and
     # with the shared store a rank-0 survivor never republishes MASTER_ADDR for a new round, so
     # a replacement node would wait forever in its first rendezvous
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

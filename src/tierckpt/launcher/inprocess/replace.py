@@ -36,7 +36,7 @@ from tierckpt.launcher.decide.escalation import Action, Decision
 
 __all__ = ["JOIN_ENV", "REPLACE", "Route", "StoreHost", "route", "tag"]
 
-JOIN_ENV = workerenv.INPROC_JOIN  # what agent.py sets on a replacement (it imports the name from here)
+JOIN_ENV = workerenv.INPROC_JOIN  # what supervisor/torch_agent.py sets on a replacement (it imports the name from here)
 
 REPLACE = "replace"  # the claim's kind, the restart event's kind
 _STORE_KEY = "tierckpt/run/inproc-store/"  # + generation: host:port of the agent-hosted store

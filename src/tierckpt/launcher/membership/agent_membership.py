@@ -1,9 +1,9 @@
-"""The membership and spares path of ``TierckptAgent`` (agent.py), moved out of agent.py as is:
+"""The membership and spares path of ``TierckptAgent`` (supervisor/torch_agent.py), moved out of it as is:
 the survivors' regroup after a lost node, a node's arrival below MAX, the spare gate, and a
 repeat offender standing aside for a spare (avoid.py). A mixin of the agent's own methods; the
 attributes and methods of the agent it uses are declared below for the type checker.
 
-Call order (``TierckptAgent``; see agent.py's module doc):
+Call order (``TierckptAgent``; see torch_agent.py's module doc):
 
     _join           -> _spare_gate (-> _standing_by)          # before torch's rendezvous
     _detect         -> _arrived                               # every poll: a MembershipChange
@@ -62,7 +62,7 @@ class MembershipPath:
     _avoid_next: list[dict[str, Any]]  # the avoid list of the last full job restart (the state file's "avoid")
     _avoid_checked: bool  # this process looked itself up in that list (at its first spare gate)
 
-    if TYPE_CHECKING:  # the agent's (agent.py)
+    if TYPE_CHECKING:  # the agent's (supervisor/torch_agent.py)
         @property
         def ctl(self) -> JobControl: ...
 

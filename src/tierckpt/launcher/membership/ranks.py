@@ -33,7 +33,7 @@ from typing import Any
 from tierckpt import layout
 from tierckpt.config import DEFAULT_MEMORY_DIR
 from tierckpt.errors import ProtocolError
-from tierckpt.launcher.state import STATE_DIR
+from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
 __all__ = ["Claim", "assign", "exchange", "exchange_round", "identity", "load_prior", "save_prior"]
 

@@ -42,7 +42,6 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from tierckpt import workerenv
-from tierckpt.launcher import state as restart_state
 from tierckpt.launcher.control import resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
@@ -84,6 +83,7 @@ from tierckpt.launcher.membership.spares import (
     report_round,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
+from tierckpt.launcher.supervisor import runstate as restart_state
 from tierckpt.launcher.workers.launch import start_context, static_env, worker_envs
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
