@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from tierckpt.launcher.control.claimwatch import ClaimWatch
-from tierckpt.launcher.control.jobcontrol import JobControl, connect_client
+from tierckpt.launcher.control.jobcontrol import JobControl
+from tierckpt.launcher.control.store import connect_client
 
 
 @pytest.fixture(params=[False, True], ids=["legacy-server", "libuv-server"])

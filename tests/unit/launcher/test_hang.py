@@ -284,7 +284,7 @@ def test_busy_board_on_a_real_store() -> None:
 
     import torch.distributed as dist
 
-    from tierckpt.launcher.control.jobcontrol import connect_client
+    from tierckpt.launcher.control.store import connect_client
     from tierckpt.launcher.detect.busyboard import BusyBoard
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]

@@ -13,7 +13,9 @@ import pytest
 import torch.distributed as dist
 
 import tierckpt.monitor as monitor
-from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
+from tierckpt.launcher.control.store import connect_client
 from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import Beat, read_beat
 
@@ -101,7 +103,7 @@ def test_first_claim_wins_and_the_generation_moves_once(store: dist.TCPStore) ->
     won = a.claim(0, {"reason": "Crash", "node": 0})
     lost = b.claim(0, {"reason": "LostNode", "node": 1})
     assert won == lost == {"reason": "Crash", "node": 0}
-    assert a.get_int("generation") == b.get_int("generation") == 1
+    assert a.get_int(keys.GENERATION) == b.get_int(keys.GENERATION) == 1
     b.claim(1, {"reason": "Hang"})
     assert [r["reason"] for r in a.history(1)] == ["Crash", "Hang"]
     assert a.wait_stopped(0, 2, timeout=0.05) is False

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from tierckpt.bench.storecount import Counter, CountingStore
-from tierckpt.launcher.control.jobcontrol import connect_client
 from tierckpt.launcher.control.liveness import Liveness, Silence, Verdict
+from tierckpt.launcher.control.store import connect_client
 
 
 def _server() -> dist.TCPStore:  # type: ignore[name-defined]

@@ -103,7 +103,7 @@ def test_a_rank_waiting_in_a_collective_for_one_stalled_in_its_own_code_is_not_b
 def test_wait_board_on_a_real_store() -> None:
     import torch.distributed as dist
 
-    from tierckpt.launcher.control.jobcontrol import connect_client
+    from tierckpt.launcher.control.store import connect_client
     from tierckpt.launcher.detect.busyboard import BusyBoard
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]

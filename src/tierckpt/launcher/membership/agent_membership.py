@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
+from tierckpt.launcher.control.store import connect_client
 from tierckpt.launcher.events import Events
 from tierckpt.launcher.membership import ranks
 from tierckpt.launcher.membership.avoid import (
@@ -97,7 +99,7 @@ class MembershipPath:
         rank, world = got
         import torch.distributed as dist
 
-        round_store = dist.PrefixStore(f"tierckpt/run/regroup/{g}/", ctl.store)  # type: ignore[attr-defined]
+        round_store = dist.PrefixStore(keys.regroup_round(g), ctl.store)  # type: ignore[attr-defined]
         wg.workers = LocalElasticAgent._assign_worker_ranks(self, round_store, rank, world, wg.spec)
         wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
         after = {new: self._members.get(old, "") for new, old in enumerate(plan.survivors)}

@@ -42,9 +42,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from tierckpt import workerenv
-from tierckpt.launcher.control import resume
+from tierckpt.launcher.control import keys, resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
-from tierckpt.launcher.control.jobcontrol import JobControl, Liveness, connect_client
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
+from tierckpt.launcher.control.store import connect_client, store_errors
 from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_ones
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
@@ -232,8 +233,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
-        self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
-        self._unhealthy_before = self.ctl.agree_max("unhealthy_before", int(st.get("unhealthy_before", 0)))
+        self._changes_before = self.ctl.agree_max(keys.MEMBERSHIP_CHANGES, int(st.get("membership_changes", 0)))
+        self._unhealthy_before = self.ctl.agree_max(keys.UNHEALTHY_BEFORE, int(st.get("unhealthy_before", 0)))
         self._avoid.remember(job_store, st.get("offenses"))
         self._avoid_after_round(job_store, st)  # the last full restart's avoid list; this node's machine
         self.resume_before = resume.agreed(job_store, self.generation)
@@ -615,7 +616,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:
             return self._loop()
-        except _store_errors() as exc:  # the rendezvous store (its host agent) is gone
+        except store_errors() as exc:  # the rendezvous store (its host agent) is gone
             self._stop_now()
             self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None,
                              detail=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -699,7 +700,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 ctl.publish_agent(self._membership, self.node, host, port)
                 self._peers_published = (self.node, self.nnodes)
             found = [a for a in ctl.agents(self._membership, self.nnodes, wait_s) if a != (host, port)]
-        except _store_errors():
+        except store_errors():
             return  # the store's host is gone: the liveness check reports it
         if len(found) >= self.nnodes - 1:
             self._peers_next = float("inf")  # all known; a new membership publishes again
@@ -748,7 +749,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self._exit_barrier()
                 try:  # a spare at the gate may host the store: it leaves once every node got here
                     finished(self.ctl.store)
-                except _store_errors():
+                except store_errors():
                     pass
                 self.events.emit("exit", generation=self.generation, code=0)
                 return result
@@ -927,7 +928,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._avoid_at_full_restart(g)
         self._persist(barrier=all_here)
         if all_here:  # the store's host must not leave while the others still read it
-            self._barrier(f"exit/{g}", timeout=30.0)
+            self._barrier(keys.exited(g), timeout=30.0)
         if decision.action == Action.FULL_RESTART:
             self._save_state(g + 1, self.full_restarts + 1)
             self.events.emit("restart", generation=g, kind="job", why=decision.reason)
@@ -944,14 +945,14 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         if ctl is None:
             return False
         try:
-            ctl.store.add(f"tierckpt/run/{key}", 1)
+            ctl.store.add(key, 1)
             deadline = time.monotonic() + timeout
-            while int(ctl.store.add(f"tierckpt/run/{key}", 0)) < self.nnodes:
+            while int(ctl.store.add(key, 0)) < self.nnodes:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.02)
             return True
-        except _store_errors():
+        except store_errors():
             return False
 
     def _persist(self, *, barrier: bool) -> None:
@@ -968,7 +969,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         from tierckpt.launcher.dataplane.persist import persist_all
 
         def wait_all() -> bool:
-            return self._barrier(f"persisted/{self.generation}", timeout=60.0)
+            return self._barrier(keys.persisted(self.generation), timeout=60.0)
 
         try:
             cfg = CheckpointConfig(namespace=o.namespace, memory_dir=o.memory_dir or "/dev/shm/tierckpt",
@@ -998,12 +999,6 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._node_agent.close()
             self._node_agent = None
         self.events.close()
-
-
-def _store_errors() -> tuple[type[BaseException], ...]:
-    import torch.distributed as dist
-
-    return (dist.DistError,) if hasattr(dist, "DistError") else (RuntimeError,)
 
 
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:
