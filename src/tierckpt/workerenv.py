@@ -1,22 +1,22 @@
 """What ``tierckpt run`` hands its workers: the one place that knows the variable and file names.
 
     variable                  set by (launcher/)               read by
-    TIERCKPT_NAMESPACE        workers.py (--namespace)          config.py: CheckpointConfig.namespace
-    TIERCKPT_MEMORY_DIR       workers.py (--memory-dir)         config.py: CheckpointConfig.memory_dir
-    TIERCKPT_DURABLE_URL      workers.py (--durable-url)        config.py: CheckpointConfig.durable_url
-    TIERCKPT_RESUME_BEFORE    agent.py (resume.py's bound N)    config.py: CheckpointConfig.resume_before
-    TIERCKPT_GENERATION       workers.py: the job-wide restart count; config.py (a worker of tierckpt run)
-    TIERCKPT_MONITOR_DIR      workers.py: the directory below   monitor.py, inprocess.py, waitsample.py
-    TIERCKPT_INPROC_STORE     replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
-    TIERCKPT_INPROC_JOIN      agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
-    TIERCKPT_WARM             standby.py: "1" in a warm worker, "0" after a cold start in its place
-    TIERCKPT_WARM_SINCE       standby.py: when the warm worker's standby was spawned
+    TIERCKPT_NAMESPACE        workers/launch.py (--namespace)   config.py: CheckpointConfig.namespace
+    TIERCKPT_MEMORY_DIR       workers/launch.py (--memory-dir)  config.py: CheckpointConfig.memory_dir
+    TIERCKPT_DURABLE_URL      workers/launch.py (--durable-url) config.py: CheckpointConfig.durable_url
+    TIERCKPT_RESUME_BEFORE    supervisor/torch_agent.py (control/resume.py's bound N)  config.py: CheckpointConfig.resume_before
+    TIERCKPT_GENERATION       workers/launch.py: the job-wide restart count; config.py (a worker of tierckpt run)
+    TIERCKPT_MONITOR_DIR      workers/launch.py: the directory below  monitor.py, inprocess.py, waitsample.py
+    TIERCKPT_INPROC_STORE     inprocess/replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
+    TIERCKPT_INPROC_JOIN      supervisor/torch_agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
+    TIERCKPT_WARM             workers/standby.py: "1" in a warm worker, "0" after a cold start in its place
+    TIERCKPT_WARM_SINCE       workers/standby.py: when the warm worker's standby was spawned
 
     $TIERCKPT_MONITOR_DIR/
         beat_<local rank>           heartbeats: monitor.py writes, the agent reads (heartbeat.read_beat)
         where_<local rank>          where an idle main thread waits: waitsample.py writes, procwatch.py reads
-        inproc_<local rank>.jsonl   in-process restarts: inprocess.py appends, launcher/inprocess.py reads
-        inproc_request              an increasing request counter: launcher/inprocess.py writes,
+        inproc_<local rank>.jsonl   in-process restarts: inprocess.py appends, launcher/inprocess/restarts.py reads
+        inproc_request              an increasing request counter: launcher/inprocess/restarts.py writes,
                                     inprocess.py's watchdog reads
 
 Names only: the launcher writes them, the worker side (config.py, monitor.py, inprocess.py) reads them.

@@ -145,7 +145,7 @@ def test_a_simulated_agent_that_misses_the_next_generation_says_why() -> None:
     import torch.distributed as dist
 
     from tierckpt.bench.scale_sim import _Ours
-    from tierckpt.launcher.control import JobControl
+    from tierckpt.launcher.control.jobcontrol import JobControl
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, use_libuv=False,  # type: ignore[attr-defined]
                            timeout=datetime.timedelta(seconds=30))

@@ -91,7 +91,7 @@ class HostJob:
         return [*cmd, "-m", "tierckpt.demo.resilient", "--workdir", str(self.work), *self.train]
 
     def state(self, host: Host) -> dict[str, Any]:
-        """The restart-state file ``host``'s launcher keeps beside its memory tier (launcher/state.py)."""
+        """The restart-state file ``host``'s launcher keeps beside its memory tier (launcher/supervisor/runstate.py)."""
         path = f"/dev/shm/tierckpt/.tierckpt-run/{self.rdzv_id}.json"
         return dict(json.loads(host.run(["cat", path]).stdout))
 

@@ -328,7 +328,7 @@ def test_pytorchjob_renders_spares_as_more_workers(tmp_path: Path) -> None:
 
 def test_elastic_policy_becomes_nnodes_min_max_and_spares_wait_beyond_max(tmp_path: Path) -> None:
     """The ConfigMap holds only the runPolicy, so the elasticPolicy's range must reach --nnodes."""
-    from tierckpt.launcher.membership import Elastic
+    from tierckpt.launcher.membership.change import Elastic
 
     def elastic(d: dict[str, Any]) -> None:
         d["spec"]["elasticPolicy"] = {"minReplicas": 2, "maxReplicas": 4}

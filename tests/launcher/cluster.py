@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.launcher.workers.warm import kill_if_standby
 from tierckpt.testing.twonode import free_port, read_jsonl
 
 NS = "scn"

@@ -4,7 +4,7 @@ agents at once, so each writer needs its own temporary name (issue 24, item 3).
 
 The two agents' writes land within a few milliseconds of each other after each stop barrier,
 so the collision the issue saw happens by chance; a third writer of the same file (what a
-third agent on the memory root would do, here continuously, through the same ``state.save``)
+third agent on the memory root would do, here continuously, through the same ``runstate.save``)
 makes it happen at every restart. The job must recover from every fault and finish.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Callable
 import pytest
 
 from tests.launcher.cluster import LocalJob
-from tierckpt.launcher import state
 from tierckpt.launcher.options import RunOptions
+from tierckpt.launcher.supervisor import runstate
 
 pytestmark = pytest.mark.slow
 
@@ -41,9 +41,9 @@ def test_two_agents_sharing_a_memory_dir_restart_and_finish(make_job: Callable[.
     def third_writer() -> None:
         while not stop.is_set():
             try:
-                current = state.load(opts, job.rdzv_id)
+                current = runstate.load(opts, job.rdzv_id)
                 if current:  # rewrite what is there (the agents read it only at a rendezvous)
-                    state.save(opts, job.rdzv_id, current)
+                    runstate.save(opts, job.rdzv_id, current)
                     writes[0] += 1
             except OSError:
                 pass  # this writer's own collision (old code) is not what the test looks at
@@ -73,7 +73,7 @@ def test_two_agents_sharing_a_memory_dir_restart_and_finish(make_job: Callable[.
     assert writes[0] > 0  # the third writer did write
     for r in (0, 1):
         assert job.last_step(r, generation=KILLS) == 12 * KILLS + 12, job.report()
-    leftovers = [p for p in os.listdir(os.path.join(job.memory[0], state.STATE_DIR)) if ".tmp" in p]
+    leftovers = [p for p in os.listdir(os.path.join(job.memory[0], runstate.STATE_DIR)) if ".tmp" in p]
     assert leftovers == [], leftovers
 
 
@@ -84,7 +84,7 @@ def test_an_error_in_the_launcher_loop_ends_with_an_exit_event_not_a_traceback(
     job = make_job(nnodes=1, train=["--steps", "400"])
     job.start()
     job.wait_for(lambda: job.last_step(0) >= 5, 120, "rank 0 reaches step 5")
-    state_dir = os.path.join(job.memory[0], state.STATE_DIR)
+    state_dir = os.path.join(job.memory[0], runstate.STATE_DIR)
     for name in os.listdir(state_dir):
         os.unlink(os.path.join(state_dir, name))
     os.rmdir(state_dir)

@@ -23,7 +23,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 # layer -> module patterns: "a.b" is that module; "a.b.*" is the package a.b and everything under
-# it (never a plain module a/b.py: launcher/control.py is not the future control/ package). The
+# it (never a plain module a/b.py: a flat launcher/x.py is not a package x/). The
 # longest matching pattern wins, so the flat launcher/ falls back to "launcher".
 LAYERS: dict[str, tuple[str, ...]] = {
     "face": ("tierckpt",),
@@ -61,7 +61,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "launcher.inprocess": ("tierckpt.launcher.inprocess.*",),
     "launcher.supervisor": ("tierckpt.launcher.supervisor.*",),
     "launcher.cli": ("tierckpt.launcher", "tierckpt.launcher.cli"),
-    # today's flat launcher/ until §3.7 step 4 moves its modules into the sub-packages above
+    # the launcher's root beside the sub-packages: options.py (RunOptions composes their policies)
     "launcher": ("tierckpt.launcher.*",),
     "adapters": ("tierckpt.integrations.*", "tierckpt.compat.*"),
     "commands": ("tierckpt.commands.*",),
@@ -133,7 +133,17 @@ DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.agent.server", "tierckpt.agent.service"):
         "the servers dispatch through the Agent until they take callables (step 3b)",
     ("tierckpt.agent.local", "tierckpt.agent.server"): "reply_error lives in server.py until wire/protocol.py (step 3b)",
-    ("tierckpt.launcher.agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
+    ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership.change"):
+        "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
+    ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):
+        "the workers' environment is built from RunOptions until launch.py takes values (step 6, Workers)",
+    ("tierckpt.launcher.membership.ranks", "tierckpt.launcher.supervisor.runstate"):
+        "STATE_DIR is named in supervisor/runstate.py until layout.py names the launcher's state dir (§3.1)",
+    ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.options"):
+        "the agent's membership path, moved out of torch_agent.py as is, reads RunOptions until Rounds (step 6)",
+    ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.workers.warm"):
+        "the spare gate asks the agent's StandbyPool whether its standbys are ready, until Rounds (step 6)",
+    ("tierckpt.launcher.supervisor.torch_agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }
 

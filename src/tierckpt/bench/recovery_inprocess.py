@@ -13,7 +13,7 @@ rank 1: ``nan`` (a non-finite loss at ``--fault-step``; under torchrun the job e
 what a torchrun job does), ``hang`` (rank 1 blocks forever, rank 0 in its all-reduce;
 torchrun has no hang detection: capped at ``--cap``), ``kill`` (SIGKILL of the worker; under
 the in-process job the survivor stays in-process and one replacement, a warm standby, joins it:
-launcher/replace.py). The figure: the fault (traced by the job, or the kill) until both ranks
+launcher/inprocess/replace.py). The figure: the fault (traced by the job, or the kill) until both ranks
 finished their first step after the restore. Stages (each
 ends when the slower rank reaches it): detect (-> the launcher's fault event, or the rank that
 saw it first), stop (-> the ranks left the step: processes stopped and restarted, or the

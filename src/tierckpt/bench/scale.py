@@ -125,7 +125,8 @@ class _Sims:
 
 
 def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
-    from tierckpt.launcher.control import JobControl, connect_client
+    from tierckpt.launcher.control.jobcontrol import JobControl
+    from tierckpt.launcher.control.store import connect_client
 
     settings = {"interval_s": a.interval, "node_timeout_s": a.node_timeout, "store_timeout_s": 600.0}
     out: dict[str, Any] = {}

@@ -26,8 +26,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tierckpt.launcher.claimwatch import ClaimWatch
-from tierckpt.launcher.control import JobControl, Liveness
+from tierckpt.launcher.control.claimwatch import ClaimWatch
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
 from tierckpt.testing.storecount import Counter, CountingStore
 
 __all__ = ["BenchError", "serve"]

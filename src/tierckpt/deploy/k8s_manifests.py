@@ -16,7 +16,7 @@ Repeat offenders at a full job restart (docs/deploy.md "Kubernetes"): every pod 
 without the label ``tierckpt.io/avoid=<job name>`` (``nodeAffinity``, ANDed into each of the
 template's own required terms), and knows its node by name (``TIERCKPT_NODE_NAME`` from the
 downward API's ``spec.nodeName``), so the launcher's ``offender`` event names the node to label
-and a recreated pod that lands on an avoided node anyway is kept from its rank (launcher/avoid.py).
+and a recreated pod that lands on an avoided node anyway is kept from its rank (launcher/membership/avoid.py).
 """
 
 from __future__ import annotations

@@ -185,11 +185,11 @@ def _max_nodes(nnodes: str) -> int:
 
 
 def _options(args: Namespace) -> Any:
-    from tierckpt.launcher.avoid import AvoidSettings
-    from tierckpt.launcher.escalation import EscalationPolicy
-    from tierckpt.launcher.heartbeat import HeartbeatPolicy
+    from tierckpt.launcher.decide.escalation import EscalationPolicy
+    from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
-    from tierckpt.launcher.membership import Elastic
+    from tierckpt.launcher.membership.avoid import AvoidSettings
+    from tierckpt.launcher.membership.change import Elastic
     from tierckpt.launcher.options import RunOptions
 
     policy = RunPolicy()
@@ -235,7 +235,7 @@ def _options(args: Namespace) -> Any:
 
 
 def _hang_policy(args: Namespace) -> Any:
-    from tierckpt.launcher.hang import HangPolicy
+    from tierckpt.launcher.detect.hang import HangPolicy
 
     ceiling = args.hang_ceiling
     if ceiling is not None and not (math.isfinite(ceiling) and ceiling > 0):
@@ -244,7 +244,7 @@ def _hang_policy(args: Namespace) -> Any:
 
 
 def _warm_policy(args: Namespace) -> Any:
-    from tierckpt.launcher.warm import WarmPolicy
+    from tierckpt.launcher.workers.warm import WarmPolicy
 
     imports = tuple(m.strip() for m in args.warm_imports.split(",") if m.strip())
     for name in imports:
@@ -315,10 +315,10 @@ def launch(args: Namespace, opts: Any) -> int:
     from torch.distributed.launcher.api import _get_addr_and_port
     from torch.distributed.run import config_from_args
 
-    from tierckpt.launcher.agent import TierckptAgent
     from tierckpt.launcher.events import describe_error
     from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT
-    from tierckpt.launcher.reaper import Reaper
+    from tierckpt.launcher.supervisor.torch_agent import TierckptAgent
+    from tierckpt.launcher.workers.reaper import Reaper
 
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
@@ -340,7 +340,7 @@ def launch(args: Namespace, opts: Any) -> int:
                                   local_addr=config.local_addr, **config.rdzv_configs)
     master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = config.signals_to_handle
-    # workers meet on a fresh store per generation (agent.py), never on the agents' store; and
+    # workers meet on a fresh store per generation (supervisor/torch_agent.py), never on the agents' store; and
     # with the shared store a rank-0 survivor never republishes MASTER_ADDR for a new round, so
     # a replacement node would wait forever in its first rendezvous
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierckpt.launcher.avoid import AvoidSettings
-from tierckpt.launcher.escalation import EscalationPolicy
-from tierckpt.launcher.heartbeat import HeartbeatPolicy
+from tierckpt.launcher.decide.escalation import EscalationPolicy
+from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
-from tierckpt.launcher.membership import Elastic
-from tierckpt.launcher.warm import WarmPolicy
+from tierckpt.launcher.membership.avoid import AvoidSettings
+from tierckpt.launcher.membership.change import Elastic
+from tierckpt.launcher.workers.warm import WarmPolicy
 
 __all__ = ["FULL_RESTART_EXIT", "LAUNCHER_ERROR_EXIT", "RunOptions"]
 

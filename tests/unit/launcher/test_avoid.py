@@ -1,4 +1,4 @@
-"""Repeat offenders enforced (``launcher/avoid.py``): attribution and persistence in a real TCPStore
+"""Repeat offenders enforced (``launcher/membership/avoid.py``): attribution and persistence in a real TCPStore
 on 127.0.0.1, the agreed keep-out list, and leaving a real c10d rendezvous round."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from tests.unit.launcher.conftest import client as _client
-from tierckpt.launcher.avoid import RepeatOffenders, leave_round
-from tierckpt.launcher.membership import MEMBERSHIP_CHANGE
-from tierckpt.launcher.offenders import OffenderPolicy
+from tierckpt.launcher.decide.offenders import OffenderPolicy
+from tierckpt.launcher.membership.avoid import RepeatOffenders, leave_round
+from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE
 
 
 def _claim(g: int, node: int | None, t: float, reason: str = "Crash") -> dict[str, Any]:

@@ -14,8 +14,9 @@ import pytest
 
 from tests.unit.launcher.conftest import client as _client
 from tierckpt.errors import ConfigError
-from tierckpt.launcher import seats as seats_mod
-from tierckpt.launcher.avoid import (
+from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy
+from tierckpt.launcher.membership import seats as seats_mod
+from tierckpt.launcher.membership.avoid import (
     Avoided,
     AvoidSettings,
     RepeatOffenders,
@@ -24,9 +25,8 @@ from tierckpt.launcher.avoid import (
     publish_machine,
     write_avoid_file,
 )
-from tierckpt.launcher.offenders import NodeFault, OffenderPolicy
-from tierckpt.launcher.seats import FirstSeats
-from tierckpt.launcher.spares import SpareGate, open_seats, publish_nodes
+from tierckpt.launcher.membership.seats import FirstSeats
+from tierckpt.launcher.membership.spares import SpareGate, open_seats, publish_nodes
 
 MEMBERS = {0: "h0:/m0", 1: "h1:/m1"}
 

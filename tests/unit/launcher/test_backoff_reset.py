@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierckpt.launcher.escalation import Action, EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import Action, EscalationPolicy, Fault
 
 T0 = 1_700_000_000.0
 NO_JITTER: dict[str, Any] = {"backoff_jitter": 0.0}

@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 
-from tierckpt.launcher.claimwatch import ClaimWatch
-from tierckpt.launcher.control import JobControl, connect_client
+from tierckpt.launcher.control.claimwatch import ClaimWatch
+from tierckpt.launcher.control.jobcontrol import JobControl
+from tierckpt.launcher.control.store import connect_client
 
 
 @pytest.fixture(params=[False, True], ids=["legacy-server", "libuv-server"])

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from tierckpt.errors import ConfigError, ProtocolError
-from tierckpt.launcher.escalation import Action, Decision, EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import Action, Decision, EscalationPolicy, Fault
 from tierckpt.launcher.jobspec import RestartPolicy, RunPolicy
 
 T0 = 1_700_000_000.0

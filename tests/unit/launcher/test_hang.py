@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 import tierckpt.monitor as monitor
-from tierckpt.launcher.hang import HangPolicy, Profile, Sample
-from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
-from tierckpt.launcher.procwatch import sample_ranks, sample_tree
+from tierckpt.launcher.detect.hang import HangPolicy, Profile, Sample
+from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.launcher.detect.procwatch import sample_ranks, sample_tree
 from tierckpt.monitor import Beat, read_beat
 
 TICK = 0.1  # the agent's poll
@@ -284,8 +284,8 @@ def test_busy_board_on_a_real_store() -> None:
 
     import torch.distributed as dist
 
-    from tierckpt.launcher.busyboard import BusyBoard
-    from tierckpt.launcher.control import connect_client
+    from tierckpt.launcher.control.store import connect_client
+    from tierckpt.launcher.detect.busyboard import BusyBoard
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
     a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)

@@ -13,8 +13,10 @@ import pytest
 import torch.distributed as dist
 
 import tierckpt.monitor as monitor
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
-from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
+from tierckpt.launcher.control.store import connect_client
+from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import Beat, read_beat
 
 
@@ -101,7 +103,7 @@ def test_first_claim_wins_and_the_generation_moves_once(store: dist.TCPStore) ->
     won = a.claim(0, {"reason": "Crash", "node": 0})
     lost = b.claim(0, {"reason": "LostNode", "node": 1})
     assert won == lost == {"reason": "Crash", "node": 0}
-    assert a.get_int("generation") == b.get_int("generation") == 1
+    assert a.get_int(keys.GENERATION) == b.get_int(keys.GENERATION) == 1
     b.claim(1, {"reason": "Hang"})
     assert [r["reason"] for r in a.history(1)] == ["Crash", "Hang"]
     assert a.wait_stopped(0, 2, timeout=0.05) is False
@@ -179,7 +181,7 @@ def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
     import signal
     import subprocess
 
-    from tierckpt.launcher.wake import Waker
+    from tierckpt.launcher.detect.wake import Waker
 
     before = signal.getsignal(signal.SIGCHLD)
     waker = Waker()
@@ -199,8 +201,8 @@ def test_waker_ends_the_wait_when_a_child_exits_or_on_notify() -> None:
 def test_a_log_rule_match_says_the_job_started() -> None:
     import re
 
+    from tierckpt.launcher.detect.rules import RuleMonitor
     from tierckpt.launcher.jobspec import LogRule
-    from tierckpt.launcher.rules import RuleMonitor
 
     mon = RuleMonitor([LogRule(name="Start", log_pattern=re.compile(".*Loss:.*"))], 0.0)
     mon.feed("loading data", 1.0)

@@ -1,4 +1,4 @@
-"""The agent's in-process decision (launcher/inprocess.py) on real report files, no processes."""
+"""The agent's in-process decision (launcher/inprocess/restarts.py) on real report files, no processes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from tierckpt.launcher.events import Events
-from tierckpt.launcher.inprocess import InProcessRestarts
+from tierckpt.launcher.inprocess.restarts import InProcessRestarts
 from tierckpt.workerenv import INPROC_REQUEST
 
 

@@ -1,4 +1,4 @@
-"""Liveness with one watcher (launcher/liveness.py): the pure parts on a fake clock, then simulated
+"""Liveness with one watcher (launcher/control/liveness.py): the pure parts on a fake clock, then simulated
 agents in threads against a real TCPStore on 127.0.0.1, counting every store operation."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tierckpt.launcher.control import connect_client
-from tierckpt.launcher.liveness import Liveness, Silence, Verdict
+from tierckpt.launcher.control.liveness import Liveness, Silence, Verdict
+from tierckpt.launcher.control.store import connect_client
 from tierckpt.testing.storecount import Counter, CountingStore
 
 
@@ -203,7 +203,7 @@ def test_a_new_epoch_does_not_read_the_old_verdict() -> None:
 def test_stop_barrier_and_regroup_cost_a_few_operations_per_agent_whatever_the_wait() -> None:
     import threading
 
-    from tierckpt.launcher.control import JobControl
+    from tierckpt.launcher.control.jobcontrol import JobControl
 
     store = _server()
     n = 16

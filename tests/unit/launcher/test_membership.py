@@ -10,10 +10,11 @@ from typing import Any
 import pytest
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher import ranks
-from tierckpt.launcher.escalation import EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import EscalationPolicy, Fault
+from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy, attribute
 from tierckpt.launcher.jobspec import RestartPolicy
-from tierckpt.launcher.membership import (
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.change import (
     MEMBERSHIP_CHANGE,
     Change,
     Elastic,
@@ -22,9 +23,8 @@ from tierckpt.launcher.membership import (
     restart_history,
     shrink,
 )
-from tierckpt.launcher.offenders import NodeFault, OffenderPolicy, attribute
-from tierckpt.launcher.ranks import Claim
-from tierckpt.launcher.spares import (
+from tierckpt.launcher.membership.ranks import Claim
+from tierckpt.launcher.membership.spares import (
     JobEnded,
     SpareGate,
     arrivals,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import tierckpt.monitor as monitor
-from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import NON_FINITE_LOSS, read_beat
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from tests.contract.copy_contract import FILES, NS, memory_tier, pins_held, save_step
 from tierckpt.config import CheckpointConfig
-from tierckpt.launcher.persist import persist_all, persist_newest
+from tierckpt.launcher.dataplane.persist import persist_all, persist_newest
 from tierckpt.tiers import LocalTier
 from tierckpt.tiers.integrity import verify_copy
 

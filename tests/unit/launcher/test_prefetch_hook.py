@@ -1,4 +1,4 @@
-"""The launcher's prefetch hook (launcher/prefetch.py): events around a hosted agent's prefetch, and
+"""The launcher's prefetch hook (launcher/dataplane/prefetch.py): events around a hosted agent's prefetch, and
 the switch that turns it off. A real in-process agent on loopback with no peers: nothing to fetch."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from tierckpt.agent import AgentConfig, start_agent
-from tierckpt.launcher import prefetch
+from tierckpt.launcher.dataplane import prefetch
 from tierckpt.launcher.events import Events
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.launcher import ranks
 from tierckpt.launcher.cli import _agent_config, build_parser
-from tierckpt.launcher.ranks import Claim, assign
-from tierckpt.launcher.reaper import Reaper, start_time
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.ranks import Claim, assign
+from tierckpt.launcher.workers.reaper import Reaper, start_time
 
 
 def test_assign_keeps_prior_ranks_against_torch_order() -> None:
@@ -97,7 +97,7 @@ def test_reaper_kills_the_workers_when_its_agent_dies(tmp_path: Path) -> None:
     """The 'agent' is a child process that forks the reaper and is then SIGKILLed."""
     events = tmp_path / "events.jsonl"
     worker = _sleeper()
-    code = (f"import os, time\nfrom tierckpt.launcher.reaper import Reaper\nr = Reaper.fork()\n"
+    code = (f"import os, time\nfrom tierckpt.launcher.workers.reaper import Reaper\nr = Reaper.fork()\n"
             f"r.update(generation=0, node=1, events={str(events)!r})\nr.watch([{worker.pid}])\n"
             "print(r.pid, flush=True)\ntime.sleep(60)\n")
     agent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,

@@ -1,4 +1,4 @@
-"""Which fault takes which path (launcher/replace.py): replace alone, in-process, process (which
+"""Which fault takes which path (launcher/inprocess/replace.py): replace alone, in-process, process (which
 may end the job). Pure functions, the real ``EscalationPolicy``, and the agent's view of its
 workers from real report files."""
 
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.launcher.escalation import Action, Decision, EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import Action, Decision, EscalationPolicy, Fault
 from tierckpt.launcher.events import Events
-from tierckpt.launcher.inprocess import InProcessRestarts
-from tierckpt.launcher.replace import REPLACE, Route, route, tag
+from tierckpt.launcher.inprocess.replace import REPLACE, Route, route, tag
+from tierckpt.launcher.inprocess.restarts import InProcessRestarts
 
 RESTART = Decision(Action.RESTART, 0.0, "process restart 1")
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from tierckpt.launcher import resume
-from tierckpt.launcher.escalation import Action, EscalationPolicy, Fault, restarts_before
-from tierckpt.launcher.rdzvwait import RendezvousProgress
+from tierckpt.launcher.control import resume
+from tierckpt.launcher.decide.escalation import Action, EscalationPolicy, Fault, restarts_before
+from tierckpt.launcher.membership.rdzvwait import RendezvousProgress
 
 T0 = 1_700_000_000.0
 
@@ -249,7 +249,7 @@ def test_the_lowest_non_finite_step_any_node_offers_is_the_bound(server: Any) ->
     """The node whose claim wins may have seen the NaN a step later (through the all-reduce) than
     the NaN rank's node: the bound is the lowest offer, whatever the order (a real TCPStore).
     Seen in the slow tier before the fix: the bound came out 9 for a NaN at step 8."""
-    from tierckpt.launcher import resume
+    from tierckpt.launcher.control import resume
 
     assert resume.lowest_non_finite(server, 3) is None
     resume.offer_non_finite(server, 3, 9)

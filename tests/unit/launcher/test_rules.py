@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
+from tierckpt.launcher.detect.rules import RuleMonitor, RuleState, Verdict
 from tierckpt.launcher.jobspec import LogRule, parse_run_policy
-from tierckpt.launcher.rules import RuleMonitor, RuleState, Verdict
 
 T0 = 1_000_000.0  # attempt start, unix seconds
 

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 import tierckpt.monitor as monitor
 from tierckpt import CheckpointConfig, TieredStorageWriter
-from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import Beat, read_beat
 
 

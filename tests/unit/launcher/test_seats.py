@@ -1,4 +1,4 @@
-"""The first round's seats (``launcher/seats.py``) and the spare gate that uses them
+"""The first round's seats (``launcher/membership/seats.py``) and the spare gate that uses them
 (``spares.SpareGate(seats=...)``), on a real TCPStore with one client per agent; a seat holder
 that dies before the round formed is a real process killed with SIGKILL."""
 
@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from tests.unit.launcher.conftest import client as _client
-from tierckpt.launcher import seats
-from tierckpt.launcher.seats import FirstSeats, SeatBeat, SeatWatch, holder, take
-from tierckpt.launcher.spares import (
+from tierckpt.launcher.membership import seats
+from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat, SeatWatch, holder, take
+from tierckpt.launcher.membership.spares import (
     JobEnded,
     SpareGate,
     arrivals,
@@ -141,7 +141,7 @@ def test_a_spare_takes_the_seat_of_a_holder_killed_before_the_round(server: Any)
     assert take(server, "a:/m", 2) == 0
     a_beat = SeatBeat(lambda: _client(server), 0, every_s=0.1).start()
     code = ("import datetime, sys, time, torch.distributed as dist\n"
-            "from tierckpt.launcher.seats import SeatBeat, take\n"
+            "from tierckpt.launcher.membership.seats import SeatBeat, take\n"
             f"s = dist.TCPStore('127.0.0.1', {server.port}, is_master=False, timeout=datetime.timedelta(seconds=10))\n"
             "seat = take(s, 'b:/m', 2)\n"
             f"SeatBeat(lambda: dist.TCPStore('127.0.0.1', {server.port}, is_master=False), seat, every_s=0.1).start()\n"

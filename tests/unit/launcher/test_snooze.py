@@ -1,4 +1,4 @@
-"""``restartPolicy.scaleUpSnoozeTimeInSeconds`` (``launcher/snooze.py``): pure, from a parsed job file."""
+"""``restartPolicy.scaleUpSnoozeTimeInSeconds`` (``launcher/membership/snooze.py``): pure, from a parsed job file."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 
 from tierckpt.errors import ConfigError
 from tierckpt.launcher.jobspec import parse_run_policy
-from tierckpt.launcher.membership import Change
-from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
+from tierckpt.launcher.membership.change import Change
+from tierckpt.launcher.membership.snooze import ScaleUpSnooze, scaled_down
 
 
 def test_a_scale_up_waits_the_snooze_after_a_scale_down() -> None:

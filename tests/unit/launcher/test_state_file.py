@@ -1,4 +1,4 @@
-"""The restart-state file (launcher/state.py): written by several agents at once without a shared
+"""The restart-state file (launcher/supervisor/runstate.py): written by several agents at once without a shared
 temporary name (issue 24, item 3)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import multiprocessing as mp
 import traceback
 from pathlib import Path
 
-from tierckpt.launcher import state
 from tierckpt.launcher.options import RunOptions
+from tierckpt.launcher.supervisor import runstate
 
 _ROUNDS = 300
 
@@ -19,7 +19,7 @@ def _writer(memory_dir: str, who: int, go: object, errors: object) -> None:
     go.wait()  # type: ignore[attr-defined]
     try:
         for i in range(_ROUNDS):
-            state.save(opts, "job", {"next_generation": i, "writer": who})
+            runstate.save(opts, "job", {"next_generation": i, "writer": who})
     except Exception:
         errors.put(traceback.format_exc())  # type: ignore[attr-defined]
 
@@ -38,8 +38,8 @@ def test_agents_sharing_a_memory_dir_save_the_state_at_once(tmp_path: Path) -> N
         failures.append(errors.get())
     assert failures == [], failures[0]
     assert [p.exitcode for p in procs] == [0, 0, 0, 0]
-    final = json.loads((tmp_path / state.STATE_DIR / "job.json").read_text())
+    final = json.loads((tmp_path / runstate.STATE_DIR / "job.json").read_text())
     assert final["next_generation"] == _ROUNDS - 1 and final["writer"] in range(4)
-    assert state.load(RunOptions(memory_dir=str(tmp_path)), "job") == final
-    leftovers = sorted(p.name for p in (tmp_path / state.STATE_DIR).iterdir() if p.name != "job.json")
+    assert runstate.load(RunOptions(memory_dir=str(tmp_path)), "job") == final
+    leftovers = sorted(p.name for p in (tmp_path / runstate.STATE_DIR).iterdir() if p.name != "job.json")
     assert leftovers == []  # no temporary file left behind

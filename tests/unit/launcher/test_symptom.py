@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tierckpt.launcher.symptom import peer_failure, tail
+from tierckpt.launcher.detect.symptom import peer_failure, tail
 
 GLOO_RESET = ("[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
               "Read error [127.0.0.1]:62634: Connection reset by peer. This is typically caused by a remote "

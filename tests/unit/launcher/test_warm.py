@@ -1,4 +1,4 @@
-"""Standby interpreters (``tierckpt.launcher.warm`` / ``standby``) on real processes, without an agent.
+"""Standby interpreters (``tierckpt.launcher.workers.warm`` / ``standby``) on real processes, without an agent.
 
 A standby becomes the worker it is handed: output on the given descriptors, the environment,
 argv and cwd of the rank, the script's exit code, torch imported and CUDA untouched. A stale
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tierckpt.launcher.warm import Standby, StandbyPool, WarmPolicy, WarmSubprocessContext, warmable
+from tierckpt.launcher.workers.warm import Standby, StandbyPool, WarmPolicy, WarmSubprocessContext, warmable
 
 SCRIPT = """
 import json, os, sys

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from tierckpt import waitsample
-from tierckpt.launcher import hang
-from tierckpt.launcher.hang import Sample
-from tierckpt.launcher.heartbeat import BeatTracker, HeartbeatPolicy
+from tierckpt.launcher.detect import hang
+from tierckpt.launcher.detect.hang import Sample
+from tierckpt.launcher.detect.heartbeat import BeatTracker, HeartbeatPolicy
 from tierckpt.monitor import Beat
 from tierckpt.waitsample import LIB, USER, classify, read_where
 
@@ -103,8 +103,8 @@ def test_a_rank_waiting_in_a_collective_for_one_stalled_in_its_own_code_is_not_b
 def test_wait_board_on_a_real_store() -> None:
     import torch.distributed as dist
 
-    from tierckpt.launcher.busyboard import BusyBoard
-    from tierckpt.launcher.control import connect_client
+    from tierckpt.launcher.control.store import connect_client
+    from tierckpt.launcher.detect.busyboard import BusyBoard
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
     a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)

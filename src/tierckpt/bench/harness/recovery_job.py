@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
-from tierckpt.launcher.warm import kill_if_standby
+from tierckpt.launcher.workers.warm import kill_if_standby
 from tierckpt.testing.twonode import TwoNodeJob
 
 __all__ = ["RecoveryJob", "scratch", "torch_version"]

@@ -33,11 +33,10 @@ from typing import Any
 from tierckpt import layout
 from tierckpt.config import DEFAULT_MEMORY_DIR
 from tierckpt.errors import ProtocolError
-from tierckpt.launcher.state import STATE_DIR
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
 __all__ = ["Claim", "assign", "exchange", "exchange_round", "identity", "load_prior", "save_prior"]
-
-_KEY = "tierckpt/rank-claim/"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,15 +103,15 @@ def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
                    timeout: float = 120.0) -> tuple[int, dict[int, str], dict[int, str]]:
     """``exchange``, plus the memberships: (this agent's rank, the previous round's membership as
     the survivors knew it, this round's membership), each group rank -> identity."""
-    store.set(f"{_KEY}{torch_rank}", claim.to_json())
-    keys = [f"{_KEY}{i}" for i in range(world)]
+    store.set(keys.rank_claim(torch_rank), claim.to_json())
+    claimed = [keys.rank_claim(i) for i in range(world)]
     deadline = time.monotonic() + timeout
-    while not store.check(keys):
+    while not store.check(claimed):
         if time.monotonic() > deadline:
             raise ProtocolError(f"not every node published its rank claim within {timeout:.0f}s after the "
                                 "rendezvous; check that every node runs the same tierckpt version")
         time.sleep(0.01)
-    claims = [Claim.from_json(store.get(k)) for k in keys]
+    claims = [Claim.from_json(store.get(k)) for k in claimed]
     order = assign(claims)
     before: dict[int, str] = {}
     for c in claims:  # every survivor knew the same previous membership; merge in case one is stale

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher.membership import Change
+from tierckpt.launcher.membership.change import Change
 
 __all__ = ["ScaleUpSnooze", "scaled_down"]
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.launcher.control import JobControl
+from tierckpt.launcher.control.jobcontrol import JobControl
 
 __all__ = ["ClaimWatch"]
 

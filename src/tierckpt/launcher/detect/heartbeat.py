@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tierckpt.launcher.hang import Evidence, HangPolicy, Profile, judge
+from tierckpt.launcher.detect.hang import Evidence, HangPolicy, Profile, judge
 from tierckpt.monitor import NON_FINITE_LOSS, Beat
 
 __all__ = ["BeatTracker", "HeartbeatPolicy"]

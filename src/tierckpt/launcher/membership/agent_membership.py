@@ -1,9 +1,9 @@
-"""The membership and spares path of ``TierckptAgent`` (agent.py), moved out of agent.py as is:
+"""The membership and spares path of ``TierckptAgent`` (supervisor/torch_agent.py), moved out of it as is:
 the survivors' regroup after a lost node, a node's arrival below MAX, the spare gate, and a
 repeat offender standing aside for a spare (avoid.py). A mixin of the agent's own methods; the
 attributes and methods of the agent it uses are declared below for the type checker.
 
-Call order (``TierckptAgent``; see agent.py's module doc):
+Call order (``TierckptAgent``; see torch_agent.py's module doc):
 
     _join           -> _spare_gate (-> _standing_by)          # before torch's rendezvous
     _detect         -> _arrived                               # every poll: a MembershipChange
@@ -20,8 +20,12 @@ from typing import TYPE_CHECKING, Any
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from tierckpt.launcher import ranks
-from tierckpt.launcher.avoid import (
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
+from tierckpt.launcher.control.store import connect_client
+from tierckpt.launcher.events import Events
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.avoid import (
     Avoided,
     KeepOut,
     RepeatOffenders,
@@ -31,13 +35,11 @@ from tierckpt.launcher.avoid import (
     publish_machine,
     write_avoid_file,
 )
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
-from tierckpt.launcher.events import Events
-from tierckpt.launcher.membership import MEMBERSHIP_CHANGE, Change, shrink
+from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE, Change, shrink
+from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat
+from tierckpt.launcher.membership.spares import JobEnded, SpareGate, arrivals, spares_waiting
 from tierckpt.launcher.options import RunOptions
-from tierckpt.launcher.seats import FirstSeats, SeatBeat
-from tierckpt.launcher.spares import JobEnded, SpareGate, arrivals, spares_waiting
-from tierckpt.launcher.warm import StandbyPool
+from tierckpt.launcher.workers.warm import StandbyPool
 
 __all__ = ["MembershipPath"]
 
@@ -62,7 +64,7 @@ class MembershipPath:
     _avoid_next: list[dict[str, Any]]  # the avoid list of the last full job restart (the state file's "avoid")
     _avoid_checked: bool  # this process looked itself up in that list (at its first spare gate)
 
-    if TYPE_CHECKING:  # the agent's (agent.py)
+    if TYPE_CHECKING:  # the agent's (supervisor/torch_agent.py)
         @property
         def ctl(self) -> JobControl: ...
 
@@ -97,7 +99,7 @@ class MembershipPath:
         rank, world = got
         import torch.distributed as dist
 
-        round_store = dist.PrefixStore(f"tierckpt/run/regroup/{g}/", ctl.store)  # type: ignore[attr-defined]
+        round_store = dist.PrefixStore(keys.regroup_round(g), ctl.store)  # type: ignore[attr-defined]
         wg.workers = LocalElasticAgent._assign_worker_ranks(self, round_store, rank, world, wg.spec)
         wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
         after = {new: self._members.get(old, "") for new, old in enumerate(plan.survivors)}

@@ -32,14 +32,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierckpt import workerenv
-from tierckpt.launcher.escalation import Action, Decision
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.store import timeout_error
+from tierckpt.launcher.decide.escalation import Action, Decision
 
 __all__ = ["JOIN_ENV", "REPLACE", "Route", "StoreHost", "route", "tag"]
 
-JOIN_ENV = workerenv.INPROC_JOIN  # what agent.py sets on a replacement (it imports the name from here)
+JOIN_ENV = workerenv.INPROC_JOIN  # what supervisor/torch_agent.py sets on a replacement (it imports the name from here)
 
 REPLACE = "replace"  # the claim's kind, the restart event's kind
-_STORE_KEY = "tierckpt/run/inproc-store/"  # + generation: host:port of the agent-hosted store
 # faults that change the processes or the membership: never in-process
 _PROCESS_FAULTS = frozenset({"Crash", "LostNode", "MembershipChange", "LostStore"})
 
@@ -85,7 +86,7 @@ class StoreHost:
         """``TIERCKPT_INPROC_STORE`` for the workers of ``generation`` (blocks on group rank 0's publication)."""
         import torch.distributed as dist
 
-        key = f"{_STORE_KEY}{generation}"
+        key = keys.inproc_store(generation)
         if node == 0:
             if self._server is None:  # one server for the agent's life: it serves every generation
                 self._server = dist.TCPStore(host, 0, None, True,  # type: ignore[attr-defined]
@@ -95,7 +96,7 @@ class StoreHost:
         else:
             try:
                 ctl.store.wait([key], datetime.timedelta(seconds=timeout_s))
-            except getattr(dist, "DistStoreError", RuntimeError) as exc:
+            except timeout_error() as exc:
                 raise TimeoutError(f"group rank 0 did not publish the in-process store of generation "
                                    f"{generation} within {timeout_s:g}s") from exc
             address = ctl.store.get(key).decode()

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher.membership import MEMBERSHIP_CHANGE
+from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE
 
 __all__ = ["NodeFault", "OffenderPolicy", "attribute"]
 

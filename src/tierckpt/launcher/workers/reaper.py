@@ -152,7 +152,8 @@ def _claim(state: dict[str, Any], agent: int, t_eof: float) -> str:
     store_addr, g, node = state.get("store"), state.get("generation"), state.get("node")
     if store_addr is None or g is None or node is None:
         return "no claim: the agent died before its first rendezvous"
-    from tierckpt.launcher.control import JobControl, connect_client
+    from tierckpt.launcher.control.jobcontrol import JobControl
+    from tierckpt.launcher.control.store import connect_client
 
     record = {"generation": g, "time": time.time(), "generation_started": state.get("generation_started", time.time()),
               "reason": "LostNode", "node": node, "rank": None, "first_beat": True, "step": None,

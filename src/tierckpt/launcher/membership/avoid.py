@@ -58,15 +58,12 @@ from pathlib import Path
 from typing import Any
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher.offenders import NodeFault, OffenderPolicy, attribute
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.store import peek
+from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy, attribute
 
 __all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided", "leave_round",
            "publish_machine", "write_avoid_file"]
-
-_OFFENSES = "tierckpt/run/offenses"
-_KEEP_OUT = "tierckpt/run/keep-out/"
-_MACHINE = "tierckpt/run/machine/"  # <identity>: the scheduler's name of that node's machine
-_AVOID = "tierckpt/run/avoid"  # the avoid list of the last full job restart, as the first agent of this start knew it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,7 +114,6 @@ class Avoided:
         return [cls(str(e["identity"]), str(e["machine"]), int(e["faults"])) for e in raw
                 if isinstance(e, dict) and isinstance(e.get("identity"), str) and isinstance(e.get("machine"), str)
                 and isinstance(e.get("faults"), int) and not isinstance(e.get("faults"), bool)]
-_ABSENT = b"\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without blocking or writing
 
 
 @dataclass(frozen=True)
@@ -150,7 +146,7 @@ class RepeatOffenders:
             return
         clean = {str(g): dict(v) for g, v in offenses.items()
                  if isinstance(v, dict) and isinstance(v.get("identity"), str) and isinstance(v.get("time"), (int, float))}
-        self.remembered = _merge(store, _OFFENSES, lambda cur: {**clean, **cur})
+        self.remembered = _merge(store, keys.OFFENSES, lambda cur: {**clean, **cur})
 
     def record(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str]) -> None:
         """Attribute ``fault`` (the claim of ``generation``) to its node's identity in ``members``
@@ -160,7 +156,7 @@ class RepeatOffenders:
             return
         entry = {str(generation): {"identity": f.identity, "time": f.time, "reason": str(fault.get("reason"))}
                  for f in attribute([fault], [members])}
-        self.remembered = _merge(store, _OFFENSES, lambda cur: {**cur, **entry}) if entry else _read(store, _OFFENSES)
+        self.remembered = _merge(store, keys.OFFENSES, lambda cur: {**cur, **entry}) if entry else _read(store, keys.OFFENSES)
 
     def keep_out(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str], *,
                  spares: int) -> KeepOut:
@@ -170,7 +166,7 @@ class RepeatOffenders:
             return KeepOut()
         self.record(store, generation, fault, members)
         mine = json.dumps({"out": self.policy.exclude(self.faults(), spares=spares), "spares": spares}).encode()
-        agreed = json.loads(bytes(store.compare_set(f"{_KEEP_OUT}{generation}", b"", mine)))
+        agreed = json.loads(bytes(store.compare_set(keys.keep_out(generation), b"", mine)))
         ranks = tuple(sorted(rank for rank, ident in members.items() if ident in agreed["out"]))
         return KeepOut(ranks, tuple(members[r] for r in ranks), int(agreed["spares"]))
 
@@ -182,10 +178,10 @@ class RepeatOffenders:
         if not self.enabled:
             return []
         try:
-            self.remembered = {**self.remembered, **_read(store, _OFFENSES)}
-            mine = self._avoided(lambda ident: _read_text(store, f"{_MACHINE}{ident}"))
+            self.remembered = {**self.remembered, **_read(store, keys.OFFENSES)}
+            mine = self._avoided(lambda ident: _read_text(store, keys.machine(ident)))
             body = json.dumps([a.to_dict() for a in mine]).encode()
-            return Avoided.parse(json.loads(bytes(store.compare_set(f"{_KEEP_OUT}full/{generation}", b"", body))))
+            return Avoided.parse(json.loads(bytes(store.compare_set(keys.keep_out_full(generation), b"", body))))
         except RuntimeError:
             return self._avoided(lambda ident: None)
 
@@ -211,7 +207,7 @@ class RepeatOffenders:
 def publish_machine(store: Any, identity: str, machine: str) -> None:
     """This node's machine name under its identity, for the avoid list of a full job restart
     (after each rendezvous round; one store operation)."""
-    store.set(f"{_MACHINE}{identity}", machine.encode())
+    store.set(keys.machine(identity), machine.encode())
 
 
 def agree_avoid(store: Any, mine: Any) -> list[Avoided]:
@@ -220,9 +216,9 @@ def agree_avoid(store: Any, mine: Any) -> list[Avoided]:
     the first with one), so a node whose state file lacks the list still learns it."""
     own = Avoided.parse(mine)
     key_body = json.dumps([a.to_dict() for a in own]).encode()
-    raw = bytes(store.compare_set(_AVOID, b"", key_body)) if own else bytes(store.compare_set(_AVOID, _ABSENT, _ABSENT))
+    raw = bytes(store.compare_set(keys.AVOID, b"", key_body)) if own else peek(store, keys.AVOID)
     try:
-        theirs = Avoided.parse(json.loads(raw)) if raw != _ABSENT else []
+        theirs = Avoided.parse(json.loads(raw)) if raw is not None else []
     except ValueError:
         theirs = []
     seen = {a.identity for a in own}
@@ -254,25 +250,25 @@ def write_avoid_file(path: str, entries: Sequence[Avoided]) -> None:
 
 
 def _read_text(store: Any, key: str) -> str | None:
-    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if raw == _ABSENT else raw.decode()
+    raw = peek(store, key)
+    return None if raw is None else raw.decode()
 
 
 def _read(store: Any, key: str) -> dict[str, dict[str, Any]]:
-    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return {} if raw == _ABSENT else dict(json.loads(raw))
+    raw = peek(store, key)
+    return {} if raw is None else dict(json.loads(raw))
 
 
 def _merge(store: Any, key: str, update: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
     """Compare-and-set ``key`` (a JSON object) to ``update(current)`` until no other agent raced it."""
     while True:
-        raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-        cur = {} if raw == _ABSENT else dict(json.loads(raw))
+        raw = peek(store, key)
+        cur = {} if raw is None else dict(json.loads(raw))
         new = update(cur)
         if new == cur:
             return cur
         body = json.dumps(new, sort_keys=True).encode()
-        if bytes(store.compare_set(key, b"" if raw == _ABSENT else raw, body)) == body:
+        if bytes(store.compare_set(key, b"" if raw is None else raw, body)) == body:
             return new
 
 

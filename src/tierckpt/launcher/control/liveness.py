@@ -1,6 +1,6 @@
 """Agent liveness with O(N) store traffic per interval: each agent beats one key, one watcher reads them all.
 
-Keys, under ``tierckpt/run/live/<epoch>/`` of the rendezvous store (``epoch``: the generation
+Keys (keys.py), under ``tierckpt/run/live/<epoch>/`` of the rendezvous store (``epoch``: the generation
 agreed at the rendezvous round, so a verdict of an older membership is never read):
 
     beat/<node>   an agent's counter: ``add(1)`` once per interval, by that agent only
@@ -38,27 +38,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["QUIET_S", "Liveness", "Silence", "Verdict", "store_error_types"]
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.store import peek, store_errors
 
-_P = "tierckpt/run/live/"
-_ABSENT = b"\x00absent"  # compare_set's expected value: a key that is missing reads as this
+__all__ = ["QUIET_S", "Liveness", "Silence", "Verdict"]
+
 #: an agent silent this long is listed in the verdict's ``quiet`` (its seconds of silence)
 QUIET_S = 1.0
-
-
-def store_error_types() -> tuple[type[BaseException], ...]:
-    """What a TCPStore client raises when its server is gone or a wait times out."""
-    import torch.distributed as dist
-
-    return (RuntimeError, dist.DistError) if hasattr(dist, "DistError") else (RuntimeError,)
-
-
-def beat_key(epoch: int, node: int) -> str:
-    return f"{_P}{epoch}/beat/{node}"
-
-
-def verdict_key(epoch: int) -> str:
-    return f"{_P}{epoch}/verdict"
 
 
 class Silence:
@@ -219,7 +205,7 @@ class Liveness:
         return sorted(set(self._watch.silent(now)) | set(self._watch_since_lost))
 
     def _run(self) -> None:
-        errors = store_error_types()
+        errors = store_errors()
         try:
             store = self._connect()
         except errors as exc:
@@ -239,8 +225,8 @@ class Liveness:
     def _tick(self, store: Any) -> None:
         with self._lock:
             epoch, node = self._epoch, self.node
-        store.add(beat_key(epoch, node), 1)
-        raw = store.compare_set(verdict_key(epoch), _ABSENT, _ABSENT)
+        store.add(keys.beat(epoch, node), 1)
+        raw = peek(store, keys.verdict(epoch))
         now = time.monotonic()
         with self._lock:
             if epoch != self._epoch:
@@ -248,7 +234,7 @@ class Liveness:
             v = self._verdict
             if not v.started:  # silence counts from this agent's first read, not from its reset
                 v.since, v.started = now, True
-            v.read(None if raw == _ABSENT else bytes(raw), now)
+            v.read(raw, now)
             self._read_at = now
             if v.designated(now) != node:
                 self._watch = None
@@ -270,17 +256,17 @@ class Liveness:
             self._seq += 1
             doc = json.dumps({"seq": self._seq, "watcher": node, "lost": self._watch_lost(now),
                               "quiet": self._watch.quiet(now, QUIET_S)}).encode()
-        store.set(verdict_key(epoch), doc)
+        store.set(keys.verdict(epoch), doc)
 
     def _read_beats(self, store: Any, epoch: int, peers: list[int]) -> dict[int, bytes]:
         """Every peer's counter: one ``multi_get`` once every beat key exists (it would block on a
         missing one), before that one non-blocking read per key."""
-        keys = [beat_key(epoch, n) for n in peers]
-        if not keys:
+        beats = [keys.beat(epoch, n) for n in peers]
+        if not beats:
             return {}
-        if not self._all_beat and store.check(keys):
+        if not self._all_beat and store.check(beats):
             self._all_beat = True
         if self._all_beat:
-            return dict(zip(peers, (bytes(v) for v in store.multi_get(keys)), strict=True))
-        got = {n: bytes(store.compare_set(k, _ABSENT, _ABSENT)) for n, k in zip(peers, keys, strict=True)}
-        return {n: v for n, v in got.items() if v != _ABSENT}
+            return dict(zip(peers, (bytes(v) for v in store.multi_get(beats)), strict=True))
+        got = {n: peek(store, k) for n, k in zip(peers, beats, strict=True)}
+        return {n: v for n, v in got.items() if v is not None}

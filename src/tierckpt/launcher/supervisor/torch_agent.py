@@ -14,9 +14,9 @@ Call order (one agent per node, all the same code):
      node), then restart in place (same membership, no rendezvous round), or re-rendezvous
      (a node was lost), or exit ``FULL_RESTART_EXIT`` / fail, persisting the newest memory step.
      Workers under ``tierckpt.resilient`` skip the stop: a live-process fault restarts them
-     in-process (inprocess.py), a dead one is replaced alone while the others stay (replace.py).
+     in-process (inprocess/restarts.py), a dead one is replaced alone while the others stay (replace.py).
      A re-rendezvous opens seats for spares waiting at the gate (spares.py); an elastic job
-     whose survivors are at least MIN regroups without a round (membership.py, ``_regroup``).
+     whose survivors are at least MIN regroups without a round (membership/change.py, ``_regroup``).
      A ``MembershipChange`` (a node arrived) restarts without counting a restart. A repeat
      offender (avoid.py) leaves for the spare gate at a process restart; a waiting spare takes its rank.
 """
@@ -42,38 +42,39 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from tierckpt import workerenv
-from tierckpt.launcher import ranks, resume
-from tierckpt.launcher import state as restart_state
-from tierckpt.launcher.agent_membership import MembershipPath
-from tierckpt.launcher.avoid import KeepOut, RepeatOffenders
-from tierckpt.launcher.busyboard import BusyBoard
-from tierckpt.launcher.claimwatch import ClaimWatch
-from tierckpt.launcher.control import JobControl, Liveness, connect_client
+from tierckpt.launcher.control import keys, resume
+from tierckpt.launcher.control.claimwatch import ClaimWatch
+from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
+from tierckpt.launcher.control.store import connect_client, store_errors
 from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_ones
+from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
-from tierckpt.launcher.escalation import Action, Decision, Fault
+from tierckpt.launcher.decide.offenders import OffenderPolicy
+from tierckpt.launcher.detect.busyboard import BusyBoard
+from tierckpt.launcher.detect.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
+from tierckpt.launcher.detect.heartbeat import BeatTracker
+from tierckpt.launcher.detect.logwatch import LineReader
+from tierckpt.launcher.detect.procwatch import sample_ranks, wait_places
+from tierckpt.launcher.detect.rules import RuleMonitor
+from tierckpt.launcher.detect.symptom import peer_failure, tail
+from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
-from tierckpt.launcher.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
-from tierckpt.launcher.heartbeat import BeatTracker
-from tierckpt.launcher.inprocess import InProcessRestarts
-from tierckpt.launcher.logwatch import LineReader
-from tierckpt.launcher.membership import (
+from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost, tag
+from tierckpt.launcher.inprocess.restarts import InProcessRestarts
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.agent_membership import MembershipPath
+from tierckpt.launcher.membership.avoid import KeepOut, RepeatOffenders
+from tierckpt.launcher.membership.change import (
     MEMBERSHIP_CHANGE,
     Change,
     missing_nodes,
     prior_restarts,
     restart_history,
 )
-from tierckpt.launcher.offenders import OffenderPolicy
-from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
-from tierckpt.launcher.procwatch import sample_ranks, wait_places
-from tierckpt.launcher.rdzvwait import RendezvousProgress
-from tierckpt.launcher.reaper import Reaper
-from tierckpt.launcher.replace import JOIN_ENV, REPLACE, StoreHost, tag
-from tierckpt.launcher.rules import RuleMonitor
-from tierckpt.launcher.seats import SeatBeat
-from tierckpt.launcher.snooze import ScaleUpSnooze, scaled_down
-from tierckpt.launcher.spares import (
+from tierckpt.launcher.membership.rdzvwait import RendezvousProgress
+from tierckpt.launcher.membership.seats import SeatBeat
+from tierckpt.launcher.membership.snooze import ScaleUpSnooze, scaled_down
+from tierckpt.launcher.membership.spares import (
     JobEnded,
     SpareWatch,
     arrivals,
@@ -82,11 +83,12 @@ from tierckpt.launcher.spares import (
     publish_nodes,
     report_round,
 )
-from tierckpt.launcher.symptom import peer_failure, tail
-from tierckpt.launcher.wake import Waker
-from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
-from tierckpt.launcher.watchdog import start_watchdog
-from tierckpt.launcher.workers import start_context, static_env, worker_envs
+from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
+from tierckpt.launcher.supervisor import runstate as restart_state
+from tierckpt.launcher.workers.launch import start_context, static_env, worker_envs
+from tierckpt.launcher.workers.reaper import Reaper
+from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
+from tierckpt.launcher.workers.watchdog import start_watchdog
 from tierckpt.monitor import NON_FINITE_LOSS, read_beat
 from tierckpt.tiers.local import pid_alive
 
@@ -127,7 +129,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
         # ``node`` is the group rank, known from the first rendezvous on (None before it)
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
-        self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess.py)
+        self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess/restarts.py)
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
         self._calibrated_reported = False
         self._node_agent: Any = None
@@ -231,8 +233,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.generation, self.full_restarts = self.ctl.join(
             store, self.nnodes, local_next=int(st.get("next_generation", 0)),
             local_full=int(st.get("full_restarts", 0)))
-        self._changes_before = self.ctl.agree_max("membership_changes", int(st.get("membership_changes", 0)))
-        self._unhealthy_before = self.ctl.agree_max("unhealthy_before", int(st.get("unhealthy_before", 0)))
+        self._changes_before = self.ctl.agree_max(keys.MEMBERSHIP_CHANGES, int(st.get("membership_changes", 0)))
+        self._unhealthy_before = self.ctl.agree_max(keys.UNHEALTHY_BEFORE, int(st.get("unhealthy_before", 0)))
         self._avoid.remember(job_store, st.get("offenses"))
         self._avoid_after_round(job_store, st)  # the last full restart's avoid list; this node's machine
         self.resume_before = resume.agreed(job_store, self.generation)
@@ -614,7 +616,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _invoke_run(self, role: str = "default") -> RunResult:
         try:
             return self._loop()
-        except _store_errors() as exc:  # the rendezvous store (its host agent) is gone
+        except store_errors() as exc:  # the rendezvous store (its host agent) is gone
             self._stop_now()
             self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None,
                              detail=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -698,7 +700,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 ctl.publish_agent(self._membership, self.node, host, port)
                 self._peers_published = (self.node, self.nnodes)
             found = [a for a in ctl.agents(self._membership, self.nnodes, wait_s) if a != (host, port)]
-        except _store_errors():
+        except store_errors():
             return  # the store's host is gone: the liveness check reports it
         if len(found) >= self.nnodes - 1:
             self._peers_next = float("inf")  # all known; a new membership publishes again
@@ -706,10 +708,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
 
     def _prefetch(self) -> None:
         """Right after a rendezvous, before the workers start: the hosted agent pulls this node's
-        ranks' newest state from peers if its memory lacks it (a replacement; launcher/prefetch.py)."""
+        ranks' newest state from peers if its memory lacks it (a replacement; launcher/dataplane/prefetch.py)."""
         if self._node_agent is not None:
             self._discover_peers(wait_s=min(5.0, self.opts.node_timeout_s))  # the peers of the new membership
-            from tierckpt.launcher import prefetch
+            from tierckpt.launcher.dataplane import prefetch
 
             prefetch.start(self._node_agent, self.opts.namespace, [w.global_rank for w in self._worker_group.workers],
                            self.events, self.generation)
@@ -747,7 +749,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self._exit_barrier()
                 try:  # a spare at the gate may host the store: it leaves once every node got here
                     finished(self.ctl.store)
-                except _store_errors():
+                except store_errors():
                     pass
                 self.events.emit("exit", generation=self.generation, code=0)
                 return result
@@ -926,7 +928,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._avoid_at_full_restart(g)
         self._persist(barrier=all_here)
         if all_here:  # the store's host must not leave while the others still read it
-            self._barrier(f"exit/{g}", timeout=30.0)
+            self._barrier(keys.exited(g), timeout=30.0)
         if decision.action == Action.FULL_RESTART:
             self._save_state(g + 1, self.full_restarts + 1)
             self.events.emit("restart", generation=g, kind="job", why=decision.reason)
@@ -943,14 +945,14 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         if ctl is None:
             return False
         try:
-            ctl.store.add(f"tierckpt/run/{key}", 1)
+            ctl.store.add(key, 1)
             deadline = time.monotonic() + timeout
-            while int(ctl.store.add(f"tierckpt/run/{key}", 0)) < self.nnodes:
+            while int(ctl.store.add(key, 0)) < self.nnodes:
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.02)
             return True
-        except _store_errors():
+        except store_errors():
             return False
 
     def _persist(self, *, barrier: bool) -> None:
@@ -964,10 +966,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 self.events.emit("warning", generation=self.generation, what=f"agent flush failed: {exc}")
             return
         from tierckpt.config import CheckpointConfig
-        from tierckpt.launcher.persist import persist_all
+        from tierckpt.launcher.dataplane.persist import persist_all
 
         def wait_all() -> bool:
-            return self._barrier(f"persisted/{self.generation}", timeout=60.0)
+            return self._barrier(keys.persisted(self.generation), timeout=60.0)
 
         try:
             cfg = CheckpointConfig(namespace=o.namespace, memory_dir=o.memory_dir or "/dev/shm/tierckpt",
@@ -997,12 +999,6 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._node_agent.close()
             self._node_agent = None
         self.events.close()
-
-
-def _store_errors() -> tuple[type[BaseException], ...]:
-    import torch.distributed as dist
-
-    return (dist.DistError,) if hasattr(dist, "DistError") else (RuntimeError,)
 
 
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:

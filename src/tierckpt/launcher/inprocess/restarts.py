@@ -27,7 +27,7 @@ from typing import Any
 
 from tierckpt import layout, workerenv
 from tierckpt.launcher.events import Events
-from tierckpt.launcher.replace import REPLACE, Route, route
+from tierckpt.launcher.inprocess.replace import REPLACE, Route, route
 
 __all__ = ["InProcessRestarts"]
 

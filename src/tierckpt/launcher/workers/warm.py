@@ -1,6 +1,6 @@
 """Warm restarts for ``tierckpt run``: standby interpreters that become workers, inside torch's process context.
 
-Call order (agent side; the standby's side is ``tierckpt.launcher.standby``):
+Call order (agent side; the standby's side is ``tierckpt.launcher.workers.standby``):
   1. ``StandbyPool(policy, entrypoint, base_env)``, then ``fill()`` as the agent starts: it
      spawns ``policy.workers`` standbys (each imports torch while the rendezvous runs) and
      ``policy.spare`` more at ``SCHED_IDLE``, for a second fault soon after the first.
@@ -35,7 +35,7 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import (
     get_subprocess_handler,
 )
 
-from tierckpt.launcher.standby import set_idle
+from tierckpt.launcher.workers.standby import set_idle
 
 __all__ = ["IMPORT_TIME_PREFIXES", "Standby", "StandbyPool", "WarmPolicy", "WarmSubprocessContext", "drain_closers",
            "kill_if_standby", "warmable"]
@@ -88,7 +88,7 @@ class Standby:
         self.started = time.time()
         try:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
-                [executable, "-u", "-m", "tierckpt.launcher.standby", str(theirs.fileno()), ",".join(imports),
+                [executable, "-u", "-m", "tierckpt.launcher.workers.standby", str(theirs.fileno()), ",".join(imports),
                  f"{self.started:.6f}"],
                 env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
@@ -147,7 +147,7 @@ def kill_if_standby(pid: int) -> None:
     """
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"tierckpt.launcher.standby" not in f.read():
+            if b"tierckpt.launcher.workers.standby" not in f.read():
                 return
         os.kill(pid, signal.SIGKILL)
     except OSError:  # gone already (ProcessLookupError is an OSError)

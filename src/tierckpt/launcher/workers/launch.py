@@ -21,7 +21,7 @@ from torch.distributed.elastic.utils.api import macros
 
 from tierckpt import workerenv
 from tierckpt.launcher.options import RunOptions
-from tierckpt.launcher.warm import StandbyPool, WarmSubprocessContext
+from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext
 
 __all__ = ["start_context", "static_env", "worker_envs"]
 

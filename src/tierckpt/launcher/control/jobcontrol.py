@@ -1,7 +1,7 @@
 """The job's control plane on the rendezvous store: one generation, fault claims, stop barrier, liveness.
 
 Every key lives under ``tierckpt/run/`` of the c10d rendezvous TCPStore (the store torch's
-agents already share), so there is no second server. Call order, on every agent:
+agents already share), so there is no second server; keys.py names them. Call order, on every agent:
 
     ctl = JobControl(job_store)
     g = ctl.join(round_store, nnodes, local_next=..., local_full=...)  # after each rendezvous round
@@ -32,12 +32,11 @@ import datetime
 import json
 from typing import Any
 
-from tierckpt.launcher.liveness import Liveness
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.liveness import Liveness
+from tierckpt.launcher.control.store import peek, timeout_error
 
 __all__ = ["JobControl", "Liveness"]
-
-_P = "tierckpt/run/"
-_ABSENT = b"\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without blocking or writing
 
 
 class JobControl:
@@ -49,37 +48,38 @@ class JobControl:
     def _raise_to(self, key: str, value: int) -> int:
         """Set ``key`` to max(current, value) atomically; return the result."""
         while True:
-            cur_raw = self.store.get(_P + key) if self.store.check([_P + key]) else None
+            cur_raw = self.store.get(key) if self.store.check([key]) else None
             cur = int(cur_raw) if cur_raw is not None else None
             if cur is not None and cur >= value:
                 return cur
             expected = b"" if cur_raw is None else cur_raw
-            got = self.store.compare_set(_P + key, expected, str(value).encode())
+            got = self.store.compare_set(key, expected, str(value).encode())
             if int(got) >= value:
                 return int(got)
 
     def agree_max(self, key: str, value: int) -> int:
-        """Raise the job-wide counter ``key`` to at least ``value``; the agreed value (every agent
-        offers its own after a rendezvous round, and the highest any node remembers wins)."""
+        """Raise the job-wide counter ``key`` (``keys.MEMBERSHIP_CHANGES``, ...) to at least ``value``;
+        the agreed value (every agent offers its own after a rendezvous round, and the highest any
+        node remembers wins)."""
         return self._raise_to(key, value)
 
     def get_int(self, key: str, default: int = 0) -> int:
-        return int(self.store.get(_P + key)) if self.store.check([_P + key]) else default
+        return int(self.store.get(key)) if self.store.check([key]) else default
 
     def join(self, round_store: Any, nnodes: int, *, local_next: int, local_full: int,
              timeout: float = 600.0) -> tuple[int, int]:
         """Agree on (generation, full restarts) after a rendezvous round; blocks until all joined."""
-        self._raise_to("generation", local_next)
-        self._raise_to("full_restarts", local_full)
-        round_store.add("tierckpt/joined", 1)
-        if not _reached(round_store, "tierckpt/joined", nnodes, timeout):
+        self._raise_to(keys.GENERATION, local_next)
+        self._raise_to(keys.FULL_RESTARTS, local_full)
+        round_store.add(keys.JOINED, 1)
+        if not _reached(round_store, keys.JOINED, nnodes, timeout):
             raise TimeoutError(f"not every agent joined within {timeout:.0f}s")
-        return self.get_int("generation"), self.get_int("full_restarts")
+        return self.get_int(keys.GENERATION), self.get_int(keys.FULL_RESTARTS)
 
     def claimed(self, generation: int) -> dict[str, Any] | None:
         """The claim of ``generation``, if any: one store operation that never blocks."""
-        raw = self.store.compare_set(f"{_P}fault/{generation}", _ABSENT, _ABSENT)
-        return None if raw == _ABSENT else dict(json.loads(raw))
+        raw = peek(self.store, keys.fault(generation))
+        return None if raw is None else dict(json.loads(raw))
 
     def wait_claim(self, generation: int, timeout: float) -> dict[str, Any] | None:
         """Block until ``generation`` is claimed (the store wakes the waiter; no polling), or None.
@@ -95,8 +95,8 @@ class JobControl:
         """Block until the wake-up key of ``generation``'s claim is set (True) or ``timeout`` (False).
         A claim sets it, and so does ``release_claim_waiters`` with no claim behind it."""
         try:
-            self.store.wait([f"{_P}fault/{generation}/set"], datetime.timedelta(seconds=max(timeout, 0.001)))
-        except _timeout_error():
+            self.store.wait([keys.fault_set(generation)], datetime.timedelta(seconds=max(timeout, 0.001)))
+        except timeout_error():
             return False
         return True
 
@@ -105,14 +105,13 @@ class JobControl:
         ends its own claim watch this way (a thread blocked in a C++ store wait while the
         interpreter exits aborts the process when the store closes the connection). Waiters of
         other agents wake to no claim and read the key every tick for the rest of ``generation``."""
-        self.store.set(f"{_P}fault/{generation}/set", b"")
+        self.store.set(keys.fault_set(generation), b"")
 
     def claim(self, generation: int, record: dict[str, Any]) -> dict[str, Any]:
         """Report a fault of ``generation``; the first claim wins and is returned to everyone."""
-        key = f"{_P}fault/{generation}"
-        got = self.store.compare_set(key, b"", json.dumps(record).encode())
-        self.store.set(f"{key}/set", b"1")  # wakes ``wait_claim`` on either store server
-        self._raise_to("generation", generation + 1)
+        got = self.store.compare_set(keys.fault(generation), b"", json.dumps(record).encode())
+        self.store.set(keys.fault_set(generation), b"1")  # wakes ``wait_claim`` on either store server
+        self._raise_to(keys.GENERATION, generation + 1)
         return dict(json.loads(got))
 
     def history(self, generation: int) -> list[dict[str, Any]]:
@@ -125,15 +124,15 @@ class JobControl:
         return out
 
     def stopped(self, generation: int) -> None:
-        self.store.add(f"{_P}stopped/{generation}", 1)
+        self.store.add(keys.stopped(generation), 1)
 
     def stopped_count(self, generation: int) -> int:
         """How many agents acked the stop barrier of ``generation`` so far (never blocks)."""
-        return int(self.store.add(f"{_P}stopped/{generation}", 0))
+        return int(self.store.add(keys.stopped(generation), 0))
 
     def wait_stopped(self, generation: int, nnodes: int, timeout: float) -> bool:
         """True when every agent stopped its workers of ``generation`` within ``timeout``."""
-        return _reached(self.store, f"{_P}stopped/{generation}", nnodes, timeout)
+        return _reached(self.store, keys.stopped(generation), nnodes, timeout)
 
     def regroup(self, generation: int, node: int, survivors: list[int], timeout: float) -> tuple[int, int] | None:
         """After a lost node, the survivors agree on the next membership without a rendezvous round.
@@ -149,38 +148,38 @@ class JobControl:
         order = sorted(survivors)
         if node not in order:
             return None
-        key = f"{_P}regroup/{generation}"
+        key = keys.regroup(generation)
         self.store.add(key, 1)
         if not _reached(self.store, key, len(order), timeout):
             return None
         return order.index(node), len(order)
 
     def publish_master(self, generation: int, addr: str, port: int) -> None:
-        self.store.set(f"{_P}master/{generation}", f"{addr}:{port}".encode())
+        self.store.set(keys.master(generation), f"{addr}:{port}".encode())
 
     def master(self, generation: int, timeout: float) -> tuple[str, int]:
-        key = f"{_P}master/{generation}"
+        key = keys.master(generation)
         try:
             self.store.wait([key], datetime.timedelta(seconds=timeout))
-        except _timeout_error() as exc:
+        except timeout_error() as exc:
             raise TimeoutError(f"the master address of generation {generation} was not published") from exc
         addr, _, port = self.store.get(key).decode().rpartition(":")
         return addr, int(port)
 
     def set_progress(self, generation: int, node: int, step: int) -> None:
-        self.store.set(f"{_P}progress/{generation}/{node}", str(step).encode())
+        self.store.set(keys.progress(generation, node), str(step).encode())
 
     def job_secret(self) -> bytes:
         """The job's node-agent secret: the first agent to ask generates it (``compare_set``), every
         later one reads the same; only for agents given no secret of their own (``--agent-secret-file``)."""
         import secrets
 
-        return bytes(self.store.compare_set(f"{_P}agent-secret", "", secrets.token_hex(32)))
+        return bytes(self.store.compare_set(keys.AGENT_SECRET, "", secrets.token_hex(32)))
 
     def publish_agent(self, membership: int, node: int, host: str, port: int) -> None:
         """This node's hosted node agent listens on ``host:port`` (peer discovery), as node ``node``
         of the membership that formed in generation ``membership`` (a round's or a regroup's)."""
-        self.store.set(f"{_P}agent/{membership}/{node}", f"{host}:{port}".encode())
+        self.store.set(keys.agent(membership, node), f"{host}:{port}".encode())
 
     def agents(self, membership: int, nnodes: int, wait_s: float = 0.0) -> list[tuple[str, int]]:
         """The node agents published so far by nodes ``0 .. nnodes-1`` of the membership formed in
@@ -189,46 +188,32 @@ class JobControl:
         lost node the survivors would otherwise read its address under its old node number until
         the node that took it published, and keep it (seen on namespaced hosts, where a lost
         host's address drops connections for the agent's whole peer deadline)."""
-        keys = [f"{_P}agent/{membership}/{node}" for node in range(nnodes)]
+        published = [keys.agent(membership, node) for node in range(nnodes)]
         if wait_s > 0:
             try:
-                self.store.wait(keys, datetime.timedelta(seconds=wait_s))
-            except _timeout_error():
+                self.store.wait(published, datetime.timedelta(seconds=wait_s))
+            except timeout_error():
                 pass  # a node without a hosted agent: go on with those found
         found = []
-        for key in keys:
+        for key in published:
             if self.store.check([key]):
                 host, _, port = self.store.get(key).decode().rpartition(":")
                 found.append((host, int(port)))
         return found
 
     def mark_done(self, node: int) -> None:
-        self.store.set(f"{_P}done/{node}", b"1")
-
-
-def _timeout_error() -> type[BaseException]:
-    import torch.distributed as dist
-
-    return getattr(dist, "DistStoreError", RuntimeError)
+        self.store.set(keys.done(node), b"1")
 
 
 def _reached(store: Any, key: str, n: int, timeout: float) -> bool:
     """Wait until the counter ``key`` reaches ``n`` without polling it: the agent that reads
     ``n`` sets ``key/done`` and every other one waits on that one key (one wake-up each)."""
-    done = f"{key}/done"
+    done = keys.counter_done(key)
     if int(store.add(key, 0)) >= n:
         store.set(done, b"1")
         return True
     try:
         store.wait([done], datetime.timedelta(seconds=max(timeout, 0.001)))
-    except _timeout_error():
+    except timeout_error():
         return int(store.add(key, 0)) >= n
     return True
-
-
-def connect_client(host: str, port: int, timeout_s: float = 30.0) -> Any:
-    """A new TCPStore client for ``host:port`` (one per thread that needs the store)."""
-    import torch.distributed as dist
-
-    return dist.TCPStore(  # type: ignore[attr-defined]
-        host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))

@@ -55,20 +55,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tierckpt.launcher.membership import Change
-from tierckpt.launcher.rdzvwait import WhileBlocked
-from tierckpt.launcher.seats import FirstSeats, SeatBeat, SeatWatch, take
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.membership.change import Change
+from tierckpt.launcher.membership.rdzvwait import WhileBlocked
+from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat, SeatWatch, take
 
 __all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "finished", "open_seats", "publish_nodes", "report_round",
            "spares_waiting", "standing_by"]
 
-_NODES = "tierckpt/run/nodes"  # nodes of the running round (group rank 0 sets it after each round)
-_SEATS = "tierckpt/run/seats"  # seats opened for spares so far (survivors add the lost nodes' count)
-_TICKETS = "tierckpt/run/spare-tickets"  # spares that came to the gate so far (arrival order)
-_ARRIVALS = "tierckpt/run/arrivals"  # agents that passed the gate into a job below its maximum
-_DONE = "tierckpt/run/done/0"  # JobControl.mark_done of group rank 0: the job finished
-_FINISHED = "tierckpt/run/finished"  # nodes of a finished job past their exit barrier
-_OFFENDER = "tierckpt/run/spare-tickets/offender/"  # <ticket>: drawn by a repeat offender standing aside
+_DONE = keys.done(0)  # JobControl.mark_done of group rank 0: the job finished
 
 
 class JobEnded(Exception):  # noqa: N818 - a way out of the gate, not an error
@@ -77,7 +72,7 @@ class JobEnded(Exception):  # noqa: N818 - a way out of the gate, not an error
 
 def publish_nodes(store: Any, nnodes: int) -> None:
     """The running round has ``nnodes`` nodes (group rank 0, after every round or regroup)."""
-    store.set(_NODES, str(nnodes).encode())
+    store.set(keys.NODES, str(nnodes).encode())
 
 
 def open_seats(store: Any, generation: int, node: int, count: int) -> bool:
@@ -87,26 +82,26 @@ def open_seats(store: Any, generation: int, node: int, count: int) -> bool:
     if count <= 0:
         return False
     me = str(node).encode()
-    if bytes(store.compare_set(f"{_SEATS}/{generation}", b"", me)) != me:
+    if bytes(store.compare_set(keys.seats_opened(generation), b"", me)) != me:
         return False
-    store.add(_SEATS, count)
+    store.add(keys.SEATS, count)
     return True
 
 
 def finished(store: Any) -> None:
     """This node of a finished job passed its exit barrier: a spare at the gate (which may host
     the store) leaves once every node did (``SpareGate``)."""
-    store.add(_FINISHED, 1)
+    store.add(keys.FINISHED, 1)
 
 
 def arrivals(store: Any) -> int:
     """Agents admitted so far into a running job below its maximum (one store operation)."""
-    return int(store.add(_ARRIVALS, 0))
+    return int(store.add(keys.ARRIVALS, 0))
 
 
 def spares_waiting(store: Any) -> int:
     """Spares at the gate not yet admitted (two store operations, never blocks)."""
-    return max(0, int(store.add(_TICKETS, 0)) - int(store.add(_SEATS, 0)))
+    return max(0, int(store.add(keys.SPARE_TICKETS, 0)) - int(store.add(keys.SEATS, 0)))
 
 
 class SpareGate:
@@ -141,14 +136,14 @@ class SpareGate:
         """Block until admitted; raise ``JobEnded`` when the job finished meanwhile."""
         st = self.store
         try:
-            if self.seats is not None and not st.check([_NODES]) and not st.check([_DONE]) \
+            if self.seats is not None and not st.check([keys.NODES]) and not st.check([_DONE]) \
                     and not self._hold() and self._first_round(self.seats):
                 return self._since  # a seat of the first round: into torch's round
         except JobEnded:
             raise
         except Exception as exc:  # noqa: BLE001 - the store's host left: the job is over
             raise JobEnded(f"the job's store went away while this node stood by as a spare: {exc}") from exc
-        nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
+        nodes = int(st.get(keys.NODES)) if st.check([keys.NODES]) else 0
         if st.check([_DONE]):
             return None
         if nodes < self.max_nodes:
@@ -157,18 +152,18 @@ class SpareGate:
                 deadline = time.monotonic() + self.ready_timeout_s  # (the ones its local workers need)
                 while not self.ready() and time.monotonic() < deadline:
                     time.sleep(self.poll_s)
-                st.add(_ARRIVALS, 1)
+                st.add(keys.ARRIVALS, 1)
             return self._since
         ticket = self._draw()
         self._stand_by(nodes)
         try:
             while True:
-                seats = int(st.add(_SEATS, 0))
+                seats = int(st.add(keys.SEATS, 0))
                 if seats >= ticket:
                     if not (self.offender and self._others_waiting(seats)):
                         break
                     ticket = self._draw()  # a repeat offender yields: to the back of the line, and
-                    st.add(_SEATS, 1)  # its seat to the next ticket (waiting spares stay T - S)
+                    st.add(keys.SEATS, 1)  # its seat to the next ticket (waiting spares stay T - S)
                     continue
                 self._warm_up()
                 if st.check([_DONE]):
@@ -182,15 +177,15 @@ class SpareGate:
 
     def _draw(self) -> int:
         """A ticket at the gate, marked when this agent is a repeat offender."""
-        ticket = int(self.store.add(_TICKETS, 1))
+        ticket = int(self.store.add(keys.SPARE_TICKETS, 1))
         if self.offender:
-            self.store.set(f"{_OFFENDER}{ticket}", b"1")
+            self.store.set(keys.offender_ticket(ticket), b"1")
         return ticket
 
     def _others_waiting(self, seats: int) -> bool:
         """A spare that is no repeat offender holds a ticket not yet admitted (one read a ticket)."""
-        drawn = int(self.store.add(_TICKETS, 0))
-        return any(not self.store.check([f"{_OFFENDER}{t}"]) for t in range(seats + 1, drawn + 1))
+        drawn = int(self.store.add(keys.SPARE_TICKETS, 0))
+        return any(not self.store.check([keys.offender_ticket(t)]) for t in range(seats + 1, drawn + 1))
 
     def _hold(self) -> bool:
         """An avoided offender before the first round formed: True when the round formed without
@@ -202,13 +197,13 @@ class SpareGate:
         self._stand_by(0)
         deadline = time.monotonic() + self.hold_s
         while time.monotonic() < deadline:
-            if st.check([_NODES]):
+            if st.check([keys.NODES]):
                 return True
             if st.check([_DONE]):
                 raise self._finished()
             self._warm_up()
             time.sleep(self.poll_s)
-        if st.check([_NODES]):
+        if st.check([keys.NODES]):
             return True
         self.on_hold_over()
         return False
@@ -224,7 +219,7 @@ class SpareGate:
             watch = SeatWatch(st, seats.identity, self.max_nodes, seats.stale_s)
             next_look = 0.0
             while seat is None:
-                if st.check([_NODES]):
+                if st.check([keys.NODES]):
                     return False
                 if st.check([_DONE]):
                     raise self._finished()
@@ -243,9 +238,9 @@ class SpareGate:
         at most ``linger_s``, since this agent may host the job's store (``is_host``), which the
         nodes use until then; a spare that left at once took the store from under them."""
         st = self.store
-        nodes = int(st.get(_NODES)) if st.check([_NODES]) else 0
+        nodes = int(st.get(keys.NODES)) if st.check([keys.NODES]) else 0
         deadline = time.monotonic() + self.linger_s
-        while int(st.add(_FINISHED, 0)) < nodes and time.monotonic() < deadline:
+        while int(st.add(keys.FINISHED, 0)) < nodes and time.monotonic() < deadline:
             time.sleep(self.poll_s)
         return JobEnded("the job finished while this node stood by as a spare")
     def _stand_by(self, nodes: int) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt.errors import ConfigError
-from tierckpt.launcher.escalation import Fault, restarts_before
+from tierckpt.launcher.decide.escalation import Fault, restarts_before
 
 __all__ = ["MEMBERSHIP_CHANGE", "Change", "Elastic", "Shrink", "missing_nodes", "prior_restarts", "restart_history",
            "shrink"]

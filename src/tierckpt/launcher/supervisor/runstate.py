@@ -4,7 +4,7 @@ survives a full job restart, on the same machines or on new ones.
 ``<memory-dir>/.tierckpt-run/<rdzv-id>.json`` and, with a durable tier and a namespace, a copy
 at ``<durable>/<namespace>/.tierckpt-run/<rdzv-id>.json`` (``file://`` or ``s3://``): the next
 generation, the restarts and full restarts done, when the job first started, the resume bound,
-the hang profile, the repeat offenders and the backoff streak (``agent.py`` ``_save_state``).
+the hang profile, the repeat offenders and the backoff streak (``torch_agent.py`` ``_save_state``).
 
 Call order: ``load`` after each rendezvous, ``save`` before every restart and exit. ``load``
 reads the node-local copy, and the durable copy only when there is no local one (a fresh

@@ -1,8 +1,8 @@
 """A warm standby interpreter of ``tierckpt run``: torch imported ahead, then it becomes a worker.
 
-Started by the agent (``tierckpt.launcher.warm.StandbyPool``) as
+Started by the agent (``tierckpt.launcher.workers.warm.StandbyPool``) as
 
-    python -u -m tierckpt.launcher.standby FD MODULE,MODULE... SPAWN_TIME
+    python -u -m tierckpt.launcher.workers.standby FD MODULE,MODULE... SPAWN_TIME
 
 Call order (a spare is put at ``SCHED_IDLE`` by the agent as it is spawned, and back to
 ``SCHED_OTHER`` as a rank is handed to it): import torch, the modules the DDP constructor imports lazily, and the user's

@@ -33,7 +33,7 @@ Evaluation passes, synchronous saves, recompilations and data-loader stalls keep
 busy (or in I/O, or waiting for a busy peer), so they are never called hangs before the
 ceiling. Without evidence (no ``/proc``, no sample yet) the beat-only timeout applies.
 What is learned (``Profile``) survives restarts: the agent keeps it and the restart-state file
-persists it (``state.py``, key ``hang``).
+persists it (``supervisor/runstate.py``, key ``hang``).
 """
 
 from __future__ import annotations

@@ -17,11 +17,11 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from tierckpt import workerenv
-from tierckpt.launcher.hang import Sample
+from tierckpt.launcher.detect.hang import Sample
 from tierckpt.waitsample import read_wait
 
 if TYPE_CHECKING:
-    from tierckpt.launcher.heartbeat import BeatTracker
+    from tierckpt.launcher.detect.heartbeat import BeatTracker
 
 __all__ = ["sample_ranks", "sample_tree"]
 

@@ -24,12 +24,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tierckpt import workerenv
+from tierckpt.launcher.control import keys
 
 __all__ = ["ENV", "advance", "agreed", "mark_past", "moved_past", "offer", "passed"]
 
 ENV = workerenv.RESUME_BEFORE  # the variable the bound travels in
 NON_FINITE_LOSS = "NonFiniteLoss"
-_P = "tierckpt/run/resume/"
 
 
 def advance(bound: int | None, fault: Mapping[str, Any], moved: bool, lowest: int | None = None) -> int | None:
@@ -59,12 +59,12 @@ def moved_past(ranks: Iterable[tuple[int | None, bool]], bound: int) -> bool:
 
 
 def mark_past(store: Any, generation: int) -> None:
-    store.add(f"{_P}past/{generation}", 1)
+    store.add(keys.resume_past(generation), 1)
 
 
 def passed(store: Any, generation: int, nnodes: int) -> bool:
     """Every node marked ``generation`` as past its bound (read after the stop barrier)."""
-    return int(store.add(f"{_P}past/{generation}", 0)) >= nnodes
+    return int(store.add(keys.resume_past(generation), 0)) >= nnodes
 
 
 def offer_non_finite(store: Any, generation: int, step: int | None) -> None:
@@ -73,7 +73,7 @@ def offer_non_finite(store: Any, generation: int, step: int | None) -> None:
     ranks get it through the all-reduce, and either may win the fault claim)."""
     if step is None:
         return
-    key, expected = f"{_P}nonfinite/{generation}", b""
+    key, expected = keys.resume_nonfinite(generation), b""
     while True:
         got = bytes(store.compare_set(key, expected, str(step).encode()))
         if int(got) <= step:
@@ -83,16 +83,16 @@ def offer_non_finite(store: Any, generation: int, step: int | None) -> None:
 
 def lowest_non_finite(store: Any, generation: int) -> int | None:
     """The lowest non-finite step any node offered for ``generation`` (read after the stop barrier)."""
-    key = f"{_P}nonfinite/{generation}"
+    key = keys.resume_nonfinite(generation)
     return int(store.get(key)) if store.check([key]) else None
 
 
 def offer(store: Any, generation: int, bound: int | None) -> None:
     """This node's bound for ``generation`` (from its restart-state file); the first offer wins."""
     if bound is not None:
-        store.compare_set(f"{_P}bound/{generation}", b"", str(bound).encode())
+        store.compare_set(keys.resume_bound(generation), b"", str(bound).encode())
 
 
 def agreed(store: Any, generation: int) -> int | None:
-    key = f"{_P}bound/{generation}"
+    key = keys.resume_bound(generation)
     return int(store.get(key)) if store.check([key]) else None

@@ -40,52 +40,41 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.store import peek
+
 __all__ = ["FirstSeats", "SeatBeat", "SeatWatch", "beat", "holder", "take"]
-
-_P = "tierckpt/run/first-seat/"
-_TICKETS = _P + "tickets"  # agents that drew a ticket before the first round formed
-_SEAT = _P + "seat/"  # <k>: the identity holding seat k
-_OF = _P + "of/"  # <identity>: the seat it holds
-_BEAT = _P + "beat/"  # <k>: its holder's counter
-_NODES = "tierckpt/run/nodes"  # spares._NODES: the first round formed
-_ABSENT = b"\x00absent"  # compare_set(key, _ABSENT, _ABSENT) reads a key without blocking or writing
-
-
-def _read(store: Any, key: str) -> bytes | None:
-    raw = bytes(store.compare_set(key, _ABSENT, _ABSENT))
-    return None if raw == _ABSENT else raw
-
 
 def holder(store: Any, seat: int) -> str | None:
     """The identity holding ``seat`` (None: its ticket was drawn but not bound yet, or not drawn)."""
-    raw = _read(store, f"{_SEAT}{seat}")
+    raw = peek(store, keys.first_seat(seat))
     return None if raw is None else raw.decode()
 
 
 def _bind(store: Any, seat: int, identity: str, expected: bytes) -> bool:
     me = identity.encode()
-    if bytes(store.compare_set(f"{_SEAT}{seat}", expected, me)) != me:
+    if bytes(store.compare_set(keys.first_seat(seat), expected, me)) != me:
         return False
-    store.set(f"{_OF}{identity}", str(seat).encode())
-    store.add(f"{_BEAT}{seat}", 1)
+    store.set(keys.first_seat_of(identity), str(seat).encode())
+    store.add(keys.first_seat_beat(seat), 1)
     return True
 
 
 def take(store: Any, identity: str, max_nodes: int) -> int | None:
     """This node's seat in the first round (0 .. max_nodes-1), or None: the seats are taken, it is
     a spare. A few store operations; never blocks."""
-    had = _read(store, f"{_OF}{identity}")
+    had = peek(store, keys.first_seat_of(identity))
     if had is not None and holder(store, int(had)) == identity:
-        store.add(f"{_BEAT}{int(had)}", 1)
+        store.add(keys.first_seat_beat(int(had)), 1)
         return int(had)  # a restarted launcher of this node: its own seat back, no new ticket
-    ticket = int(store.add(_TICKETS, 1)) - 1
+    ticket = int(store.add(keys.FIRST_SEAT_TICKETS, 1)) - 1
     if ticket < max_nodes and _bind(store, ticket, identity, b""):
         return ticket
     return None  # beyond the seats (or a spare took this ticket's seat meanwhile: this node was stale)
 
 
 def beat(store: Any, seat: int) -> None:
-    store.add(f"{_BEAT}{seat}", 1)
+    store.add(keys.first_seat_beat(seat), 1)
 
 
 class SeatBeat:
@@ -112,7 +101,7 @@ class SeatBeat:
         try:
             store = self.connect()
             while not self._stop.wait(self.every_s):
-                if store.check([_NODES]):
+                if store.check([keys.NODES]):
                     return
                 beat(store, self.seat)
         except Exception:  # noqa: BLE001 - the store went away: the job's agents see it themselves
@@ -136,7 +125,7 @@ class SeatWatch:
         now = time.monotonic() if now is None else now
         st = self.store
         for k in range(self.max_nodes):
-            who, count = _read(st, f"{_SEAT}{k}"), _read(st, f"{_BEAT}{k}")
+            who, count = peek(st, keys.first_seat(k)), peek(st, keys.first_seat_beat(k))
             seen = self._seen.get(k)
             if seen is None or seen[:2] != (who, count):
                 self._seen[k] = (who, count, now)
