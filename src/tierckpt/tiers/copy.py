@@ -1,6 +1,6 @@
 """Copy one committed memory step to the durable tier: the one copy under the rank drain
 (``drain.py``), the node agent's flush (``agent/drain.py``), the launcher's persist on exit
-(``launcher/persist.py``) and ``tierckpt promote`` (``commands/promote.py``).
+(``launcher/dataplane/persist.py``) and ``tierckpt promote`` (``commands/promote.py``).
 
 Call order for step N of save S; the callers differ in which files each of them holds and in
 how they agree that every file is staged, between 4 and 5:
@@ -15,7 +15,7 @@ how they agree that every file is staged, between 4 and 5:
   4. ``put_files(durable, N, S, pins)``: every pin is there, then ``Tier.put_file`` per file, in
      order; the pins are released whatever happens; returns the bytes sent.
      The agreement: all_gather (drain.py), a claim file (agent/drain.py), a store barrier
-     (launcher/persist.py), none (promote: one node holds every file).
+     (launcher/dataplane/persist.py), none (promote: one node holds every file).
   5. ``commit_step(durable, N, S, metadata, manifest)``: ``Tier.commit``, the small files and
      then the marker, last. One writer per step: the coordinator, the claim's winner, the leader.
   6. ``verify_step(durable, N, namespace)``, optional: the durable copy end to end.

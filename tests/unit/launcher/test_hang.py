@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -289,9 +290,15 @@ def test_busy_board_on_a_real_store() -> None:
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))  # type: ignore[attr-defined]
     a, b = BusyBoard(store, 0), BusyBoard(connect_client("127.0.0.1", store.port), 1)
-    assert not a.exchange(3, 2, False, True)  # nobody published: not busy (and no blocking get)
-    assert not b.exchange(3, 2, True, False)  # published, not asked
-    assert a.exchange(3, 2, False, True) and not a.exchange(4, 2, False, True)  # per generation
-    assert not b.exchange(3, 2, False, True)  # its own key does not count
-    assert not a.exchange(3, 2, False, True)  # b is no longer busy
-    assert not a.exchange(3, 1, False, True)  # one node: nobody else
+
+    def by(board: BusyBoard, *args: Any) -> bool:
+        got = board.exchange(*args)
+        board.store.check(["sync"])  # a round trip on its connection: its set (no reply) has landed
+        return got
+
+    assert not by(a, 3, 2, False, True)  # nobody published: not busy (and no blocking get)
+    assert not by(b, 3, 2, True, False)  # published, not asked
+    assert by(a, 3, 2, False, True) and not by(a, 4, 2, False, True)  # per generation
+    assert not by(b, 3, 2, False, True)  # its own key does not count
+    assert not by(a, 3, 2, False, True)  # b is no longer busy
+    assert not by(a, 3, 1, False, True)  # one node: nobody else

@@ -76,8 +76,9 @@ class InProcessRestarts:
         self._read()
         return route(fault, node=node, wrapped=self.wrapped, budget_left=self.budget_left) == Route.INPROCESS
 
-    def poll(self, generation: int) -> bool:
-        """Events for restarts the workers began themselves; True when the trackers need re-arming."""
+    def poll(self, generation: int, node_of: Callable[[int], int | None] | None = None) -> bool:
+        """Events for restarts the workers began themselves; True when the trackers need re-arming.
+        ``node_of``: the node that runs a global rank (the ``fault`` event names the culprit's node)."""
         self._read()
         rearm = False
         for k in sorted(self._done):
@@ -87,8 +88,10 @@ class InProcessRestarts:
             self._seen.add(k)
             rearm = True
             first = min(self._records[k], key=lambda r: float(r["fault_time"]))
-            self.events.emit("fault", generation=generation, reason=first["reason"], rank=first.get("fault_rank", first.get("rank")),
-                             detail=first.get("error"), inprocess=k)
+            culprit = first.get("fault_rank", first.get("rank"))
+            node = node_of(int(culprit)) if node_of is not None and isinstance(culprit, int) else None
+            self.events.emit("fault", generation=generation, reason=first["reason"], rank=culprit,
+                             detail=first.get("error"), inprocess=k, **({"node": node} if node is not None else {}))
             self.events.emit("restart", generation=generation, kind="inprocess", reason=first["reason"],
                              inprocess=k, stages_s=first.get("stages_s"),
                              recovery_s=round(time.time() - first["fault_time"], 3))

@@ -195,6 +195,12 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         """This agent's group rank (its node's place in the job), after a rendezvous."""
         return int(self._worker_group.group_rank or 0)
 
+    def _node_of(self, rank: int) -> int | None:
+        """The node (group rank) that runs global ``rank``: torch gives each node a block of
+        ``nproc-per-node`` consecutive global ranks, in group-rank order."""
+        per = len(self._worker_group.workers)
+        return rank // per if per and rank >= 0 else None
+
     @property
     def nnodes(self) -> int:
         return int(self._worker_group.group_world_size or 1)
@@ -521,7 +527,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _claim_of(self, d: Diagnosis) -> dict[str, Any]:
         """The claim of a diagnosis's cause: today's claim keys, the diagnosis and its evidence."""
         c = d.cause
-        assert c is not None
+        if c is None:
+            raise ValueError("a diagnosis without a cause has no claim")
         rec = self._record(str(c.reason), c.rank, c.detail, since=c.since, node=c.node)
         if c.lost:
             rec["lost"] = list(c.lost)
@@ -741,7 +748,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             result = self._monitor_workers(wg)
             wg.state = result.state
             self._maybe_refill()
-            if self._inproc.poll(self.generation):
+            if self._inproc.poll(self.generation, node_of=self._node_of):
                 self._rearm_trackers()
             self._discover_peers()
             if result.state == WorkerState.SUCCEEDED:
