@@ -41,22 +41,17 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-from tierckpt import workerenv
 from tierckpt.launcher.control import keys, resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
 from tierckpt.launcher.control.store import connect_client, store_errors
-from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose, odd_ones
+from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
 from tierckpt.launcher.decide.offenders import OffenderPolicy
 from tierckpt.launcher.detect.busyboard import BusyBoard
-from tierckpt.launcher.detect.hang import LIB_WAIT, SAVE_WAIT, USER_WAIT, Profile
-from tierckpt.launcher.detect.heartbeat import BeatTracker
-from tierckpt.launcher.detect.logwatch import LineReader
-from tierckpt.launcher.detect.procwatch import sample_ranks, wait_places
-from tierckpt.launcher.detect.rules import RuleMonitor
-from tierckpt.launcher.detect.symptom import peer_failure, tail
+from tierckpt.launcher.detect.detectors import Detectors
+from tierckpt.launcher.detect.hang import Profile
 from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
 from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost, tag
@@ -89,7 +84,7 @@ from tierckpt.launcher.workers.launch import start_context, static_env, worker_e
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
 from tierckpt.launcher.workers.watchdog import start_watchdog
-from tierckpt.monitor import NON_FINITE_LOSS, read_beat
+from tierckpt.monitor import NON_FINITE_LOSS
 from tierckpt.tiers.local import pid_alive
 
 if TYPE_CHECKING:
@@ -123,15 +118,12 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         _remove_dead_beat_dirs(shm)
         self._beat_dir = tempfile.mkdtemp(prefix=f"{_BEAT_PREFIX}{os.getpid()}-", dir=shm)
-        self._trackers: dict[int, BeatTracker] = {}
-        self._learned = Profile()  # hang evidence of earlier generations (hang.py; kept in the state file)
-        self._busy: BusyBoard | None = None  # which nodes have a busy silent rank (from the first rendezvous)
-        self._rules: dict[tuple[int, str], tuple[LineReader, RuleMonitor]] = {}
+        # heartbeats, /proc evidence, where idle ranks wait, log rules (detect/detectors.py)
+        self._detectors = Detectors(opts.heartbeat, opts.run_policy.log_rules, self._beat_dir)
         # ``node`` is the group rank, known from the first rendezvous on (None before it)
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
         self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess/restarts.py)
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
-        self._calibrated_reported = False
         self._node_agent: Any = None
         self._peers_next = 0.0  # when to look for other nodes' agents in the store next
         self._peers_published: tuple[int, int] | None = None  # (node, nnodes) last published
@@ -186,9 +178,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
 
     def _learn(self) -> Profile:
         """What this generation's heartbeats taught, added to what earlier ones did."""
-        for tr in self._trackers.values():
-            self._learned.merge(tr.profile)
-        return self._learned
+        return self._detectors.learn()
 
     @property
     def node(self) -> int:
@@ -233,7 +223,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
         st = self._load_state()
-        self._learned.merge(Profile.from_dict(st.get("hang")))
+        self._detectors.learned.merge(Profile.from_dict(st.get("hang")))
         self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
         resume.offer(job_store, int(st.get("next_generation", 0)), st.get("resume_before"))
         self.generation, self.full_restarts = self.ctl.join(
@@ -254,7 +244,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
         if problem is not None:
             self.events.emit("warning", generation=self.generation, what=problem)
-        self._busy = BusyBoard(job_store, self.node)
+        self._detectors.follow(BusyBoard(job_store, self.node))
         self.events.node = self.node
         self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
@@ -363,20 +353,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._died_seen = len(pool.died)
 
     def _arm_detectors(self, wg: WorkerGroup) -> None:
-        now = time.monotonic()
         self._gen_started = time.time()
-        learned = self._learn()
-        self._trackers = {w.local_rank: BeatTracker(self.opts.heartbeat, now, learned) for w in wg.workers}
-        for reader, _ in self._rules.values():
-            reader.close()
-        self._rules = {}
-        rules = self.opts.run_policy.log_rules
-        if rules and self._pcontext is not None:
-            for stream in (self._pcontext.stdouts, self._pcontext.stderrs):
-                for local_rank, path in stream.items():
-                    if path:
-                        self._rules[(local_rank, path)] = (LineReader(path), RuleMonitor(rules, now))
-        self._calibrated_reported = False
+        outputs = (self._pcontext.stdouts, self._pcontext.stderrs) if self._pcontext is not None else ()
+        self._detectors.arm([w.local_rank for w in wg.workers], outputs, time.monotonic())
         self._past_marked = False
         self._held_since = None
 
@@ -385,7 +364,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         bound = self.resume_before
         if bound is None or self._past_marked or self._ctl is None:
             return
-        if resume.moved_past(((t.step, t.non_finite) for t in self._trackers.values()), bound):
+        if resume.moved_past(self._detectors.steps(), bound):
             resume.mark_past(self.ctl.store, self.generation)
             self._past_marked = True
 
@@ -402,8 +381,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
 
     def _rearm_trackers(self) -> None:
         """After an in-process restart: the steps went back and paused, as at a start."""
-        now = time.monotonic()
-        self._trackers = {lr: BeatTracker(self.opts.heartbeat, now, self._learn()) for lr in self._trackers}
+        self._detectors.rearm(time.monotonic())
         self._gen_started = time.time()
 
     def _stop_now(self) -> None:
@@ -430,10 +408,17 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         late = self._deadline_passed()
         if late is not None:
             out.append(FaultRecord(kind=Kind.DEADLINE, reason=late[0], detail=late[1]))
+        det = self._detectors
         if result.state == WorkerState.FAILED:
-            out.append(self._crash(result.failures))
+            dog = getattr(self, "_worker_watchdog", None)
+            outputs = (self._pcontext.stderrs, self._pcontext.stdouts) if self._pcontext is not None else ()
+            # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
+            out.append(det.crash(result.failures, outputs, expired=dog.expired if dog is not None else None,
+                                 since=self._woke_at if self._woke_at is not None else self._polled_at))
         else:
-            out.extend(self._silent_ranks(now, by_local))
+            out.extend(det.silent(now, generation=self.generation, nnodes=self.nnodes, ranks=by_local,
+                                  pids=self._pcontext.pids() if self._pcontext else {}))
+            self._report_calibration()
         if self._liveness is not None:
             if self._liveness.store_error is not None:
                 out.append(FaultRecord(kind=Kind.LOST_STORE, reason="LostStore", detail=self._liveness.store_error,
@@ -447,81 +432,6 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
             out.append(FaultRecord(kind=Kind.ARRIVAL, reason=MEMBERSHIP_CHANGE,
                                    detail="a new agent is waiting in the rendezvous", since=now))
-        return out
-
-    def _crash(self, failures: dict[int, Any]) -> FaultRecord:
-        """A local worker that failed: killed or exited, a symptom when its output shows a peer's failure."""
-        rank, failure, symptom = self._primary_failure(failures)
-        code = getattr(failure, "exitcode", None)
-        killed = isinstance(code, int) and code < 0
-        detail = f"killed by {signal.Signals(-code).name}" if isinstance(code, int) and code < 0 else f"exit code {code}"
-        dog = getattr(self, "_worker_watchdog", None)
-        pid = getattr(failure, "pid", None)
-        if dog is not None and pid in dog.expired:
-            detail += f" (torch's file timer {dog.expired[pid]!r} expired)"
-        # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
-        return FaultRecord(kind=Kind.KILLED if killed else Kind.EXITED, reason="Crash", rank=rank, detail=detail,
-                           since=self._woke_at if self._woke_at is not None else self._polled_at, symptom=symptom,
-                           evidence={"exitcode": code} if isinstance(code, int) else {})
-
-    def _silent_ranks(self, now: float, by_local: dict[int, int]) -> list[FaultRecord]:
-        """Heartbeats, the /proc evidence of silent ranks, where idle ranks wait, and log rules."""
-        out: list[FaultRecord] = []
-        for local_rank, tr in self._trackers.items():
-            tr.observe(read_beat(os.path.join(self._beat_dir, workerenv.beat_file(local_rank))), now)
-        # silent ranks' processes from /proc: stopped, idle or busy (hang.py)
-        board = self._busy
-        peer_busy = sample_ranks(self._trackers, self._pcontext.pids() if self._pcontext else {}, now,
-                                 None if board is None else lambda busy, ask: board.exchange(
-                                     self.generation, self.nnodes, busy, ask))
-        started = set()  # local ranks whose output matched a log rule: started, as a first beat says
-        for (local_rank, _), (reader, mon) in self._rules.items():
-            for line in reader.lines():
-                mon.feed(line, now)
-            if mon.matched:
-                started.add(local_rank)
-        where = wait_places(self._trackers, self._beat_dir)  # idle ranks: in their own code or in torch, and where
-        mine = {by_local[lr]: w for lr, w in where.items() if lr in by_local}
-        waits = {} if board is None else board.waits(
-            self.generation, self.nnodes, mine, ask=any(tr.idle_suspect() for tr in self._trackers.values()))
-        waits.update(mine)
-        odd = odd_ones(waits)  # the ranks idle where the majority is not (a collective the others never join)
-        for local_rank, tr in self._trackers.items():
-            rank = by_local.get(local_rank)
-            code = where[local_rank][0] if local_rank in where else None
-            others = [c for r, (c, _) in waits.items() if r != rank]
-            problem = tr.check(now, peer_busy=peer_busy[local_rank], started=local_rank in started, where=code,
-                               peer_user_wait=USER_WAIT in others, peer_lib_wait=LIB_WAIT in others,
-                               peer_save_wait=SAVE_WAIT in others)
-            since = tr.last_change or tr.start
-            idle = round(tr.evidence.idle_for(), 3) if tr.evidence.known else None
-            if problem is None:
-                if code == LIB_WAIT:  # evidence only: the early sign of a peer that is not in the collective
-                    out.append(FaultRecord(kind=Kind.COLLECTIVE_WAIT, reason="Hang", rank=rank, since=since,
-                                           step=tr.step, detail=f"idle in a collective for {idle}s",
-                                           symptom="waits in a collective", evidence={"idle_s": idle}))
-                continue
-            kind = Kind.NON_FINITE if problem[0] == NON_FINITE_LOSS else Kind.STOPPED if tr.stopped() else Kind.STALL
-            detail, symptom = problem[1], None
-            evidence: dict[str, Any] = {"idle_s": idle, "where": code}
-            if kind is Kind.STALL and rank in odd:
-                detail += f"; it waits where ranks {sorted(set(waits) - odd)} do not"
-                evidence["odd_one"] = True
-            elif kind is Kind.STALL and (code == LIB_WAIT or (peer_busy[local_rank] and not tr.evidence.busy())):
-                # it waits for others: the rank(s) waiting elsewhere, or a busy one, are the suspects
-                symptom = "idle in a collective" if code == LIB_WAIT else "waits for a busy rank"
-                if odd:
-                    evidence["suspects"] = sorted(odd)
-                if peer_busy[local_rank]:
-                    evidence["waits_for"] = "a busy rank"
-            out.append(FaultRecord(kind=kind, reason=problem[0], rank=rank, detail=detail, since=since,
-                                   step=tr.step, symptom=symptom, evidence=evidence))
-        self._report_calibration()
-        for (local_rank, _), (_reader, mon) in self._rules.items():
-            verdict = mon.check(now)
-            if verdict is not None:
-                out.append(FaultRecord(kind=Kind.LOG_RULE, reason=verdict.reason, rank=by_local.get(local_rank),
-                                       detail=verdict.detail, since=now))
         return out
 
     def _claim_of(self, d: Diagnosis) -> dict[str, Any]:
@@ -541,23 +451,6 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         rec["diagnosis"] = {"cause": c.kind.value, "why": d.why, "evidence": [r.summary() for r in d.evidence]}
         return rec
 
-    def _primary_failure(self, failures: dict[int, Any]) -> tuple[int | None, Any, str | None]:
-        """(rank, failure, symptom) of the local failure to name: the first that is no symptom of a
-        peer's failure (symptom.py), else the first, with the output line that showed the symptom."""
-        first: tuple[int | None, Any, str | None] = (None, None, None)
-        outputs = (self._pcontext.stderrs, self._pcontext.stdouts) if self._pcontext is not None else ()
-        for rank, failure in sorted(failures.items()):
-            code = getattr(failure, "exitcode", None)
-            local_rank = getattr(failure, "local_rank", -1)  # -1: no output file to read
-            line = None
-            if isinstance(code, int) and code > 0:  # a signal is its own cause
-                line = next((hit for stream in outputs if (hit := peer_failure(tail(stream.get(local_rank))))), None)
-            if line is None:
-                return rank, failure, None
-            if first[0] is None:
-                first = (rank, failure, line)
-        return first
-
     def _deadline_passed(self) -> tuple[str, str] | None:
         """activeDeadlineSeconds / faultDeadlineSeconds (escalation.py) at this poll."""
         pol = self.opts.escalation
@@ -569,37 +462,30 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                                   recovered=recovered)
 
     def _report_calibration(self) -> None:
-        if self._calibrated_reported or not self._trackers:
+        fields = self._detectors.calibration()
+        if fields is None:
             return
-        if all(t.calibrated for t in self._trackers.values()):
-            timeout = max(t.timeout() or 0.0 for t in self._trackers.values())
-            self._calibrated_reported = True
-            self.events.hb_timeout.set(timeout)
-            hang, learned = self.opts.heartbeat.hang, self._learn()
-            self.events.emit("timeout", generation=self.generation, heartbeat_timeout_s=round(timeout, 3),
-                             longest_interval_s=round(max(t.longest for t in self._trackers.values()), 3),
-                             idle_limit_s=round(hang.idle_limit(learned), 3),
-                             hang_ceiling_s=round(hang.ceiling(learned), 3))
+        self.events.hb_timeout.set(fields["heartbeat_timeout_s"])
+        self.events.emit("timeout", generation=self.generation, **fields)
 
     def _all_beat(self) -> bool:
         """Every local worker of this generation has sent its first heartbeat."""
-        return bool(self._trackers) and all(t.first_beat for t in self._trackers.values())
+        return self._detectors.all_beat()
 
     def _progress(self) -> int | None:
-        steps = [t.step for t in self._trackers.values() if t.step is not None]
-        return max(steps) if steps else None
+        return self._detectors.progress()
 
     def _resumed_step(self) -> int | None:
         """The step this generation resumed from: the one before the first step any local rank beat
         (escalation.py counts a generation's progress from it)."""
         if self.resumed_step is not None:
             return self.resumed_step
-        first = [t.first_step for t in self._trackers.values() if t.first_step is not None]
-        return min(first) - 1 if first else None
+        first = self._detectors.first_step()
+        return None if first is None else first - 1
 
     def _nan_step(self) -> int | None:
         """The lowest step at which a local rank beat a non-finite loss this generation, if any."""
-        return min((t.step for t in self._trackers.values() if t.non_finite and t.step is not None), default=None)
+        return self._detectors.nan_step()
 
     def _record(self, reason: str, rank: int | None, detail: str, *, since: float | None,
                 node: int | None = None) -> dict[str, Any]:
@@ -806,7 +692,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
                          detection_latency_s=fault.get("detection_latency_s"), **_kind(fault),
                          **{k: fault[k] for k in ("symptom", "settle_s", "lost", "diagnosis") if k in fault},
-                         heartbeat_timeout_s=max((t.timeout() or 0.0 for t in self._trackers.values()), default=0.0) or None)
+                         heartbeat_timeout_s=self._detectors.timeout())
         if self._replace_alone(fault, g, t_detect):
             return None
         if self._inproc.handles(fault, self.node) and self._inproc.restart(  # a replace: from the claim's detection
@@ -999,6 +885,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 server.stop()
                 setattr(self, name, None)
         drain_closers()
+        self._detectors.close()
         if self._pool is not None:
             self._pool.close()
             self._pool = None
