@@ -49,6 +49,7 @@ from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
 from tierckpt.launcher.decide.offenders import OffenderPolicy
+from tierckpt.launcher.decide.recovery import Step, after_stop, barrier_all
 from tierckpt.launcher.detect.busyboard import BusyBoard
 from tierckpt.launcher.detect.detectors import Detectors
 from tierckpt.launcher.detect.hang import Profile
@@ -712,7 +713,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
             if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)
         lost_now = self._lost_now()  # counted lost meanwhile (the fault itself may be a survivor's symptom)
-        all_here = fault.get("reason") not in ("LostNode", MEMBERSHIP_CHANGE, "LostStore") and not lost_now and \
+        all_here = barrier_all(str(fault.get("reason")), lost_now) and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
         if lost_now and fault.get("reason") != "LostNode":  # the live nodes' marks, not the lost ones'
             self.ctl.wait_stopped(g, self.nnodes - len(lost_now), timeout=self.opts.node_timeout_s)
@@ -720,33 +721,34 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.resume_before = resume.advance(self.resume_before, fault,
                                             resume.passed(self.ctl.store, g, self.nnodes),
                                             resume.lowest_non_finite(self.ctl.store, g))
-        if decision.action != Action.RESTART:
+        out = self._keep_out(fault, g) if all_here and decision.action == Action.RESTART else KeepOut()
+        plan = after_stop(fault, decision, me=self.node, all_here=all_here, keep_out=out.ranks)  # decide/recovery.py
+        if plan.step is Step.FINISH:
             return self._finish(decision, all_here)
-        out = self._keep_out(fault, g) if all_here else KeepOut()  # repeat offenders to do without (avoid.py)
         self._save_state(g + 1, self.full_restarts)
         if decision.delay_s > 0:
             self.events.emit("backoff", generation=g, delay_s=round(decision.delay_s, 3), why=decision.reason)
             time.sleep(decision.delay_s)
-        if all_here and not out:
+        if plan.step is Step.RESTART_IN_PLACE:
             self.generation = g + 1
             self._start_workers_logged(wg)
         else:  # a node is gone, new or kept out: torch's rendezvous waits for the membership to settle
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
             open_seats(self.ctl.store, g, self.node,
-                       missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)) + len(out.ranks))
+                       missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)) + plan.kept_out)
             self._save_state(g + 1, self.full_restarts)
-            if self.node in out.ranks:
+            if plan.step is Step.STAND_ASIDE:
                 ended = self._stand_aside(g)
                 if ended is not None:
                     return ended
             else:
-                if fault.get("reason") == "LostNode" and self.node in (fault.get("lost") or [fault.get("node")]):
+                if plan.forget_rank:
                     # the others counted this node lost (a partition that healed): they went on without
                     # it, a spare may hold its rank; it comes back as a newcomer, through the spare gate,
                     # not straight into torch's round (whose redundancy list is unsafe, spares.py)
                     self._held_rank = None
                 try:
-                    if out or not self._regroup(fault, g):
+                    if plan.step is Step.RERENDEZVOUS or not self._regroup(fault, g):
                         self._join()
                 except JobEnded as exc:  # it stood by as a spare until the job finished without it
                     return self._ended(exc)
