@@ -143,7 +143,6 @@ DEBTS: dict[tuple[str, str], str] = {
         "the agent's membership path, moved out of torch_agent.py as is, reads RunOptions until Rounds (step 6)",
     ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.workers.warm"):
         "the spare gate asks the agent's StandbyPool whether its standbys are ready, until Rounds (step 6)",
-    ("tierckpt.launcher.supervisor.torch_agent", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }
 

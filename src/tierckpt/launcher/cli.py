@@ -141,7 +141,7 @@ def _agent_config(args: Namespace) -> Any:
 
 def _agent_across_hosts(args: Namespace, agent: Any) -> bool:
     """The hosted agent's peers are other hosts and nothing says where it listens: then it listens
-    on every interface (``agent.hosted_agent_config``) instead of loopback, with the job's own
+    on every interface (``dataplane.host.hosted_agent_config``) instead of loopback, with the job's own
     secret when one was given, else a secret generated per job. A secret alone used to leave it
     on loopback, publishing 127.0.0.1 to peers on other hosts."""
     if args.agent_listen is not None or _max_nodes(args.nnodes) < 2:

@@ -50,7 +50,7 @@ def test_a_given_secret_without_agent_listen_still_listens_for_other_hosts_with_
     agent = _agent_config(args)  # type: ignore[arg-type]
     assert agent is not None and agent.secret
     assert _agent_across_hosts(args, agent)  # type: ignore[arg-type]
-    from tierckpt.launcher.supervisor.torch_agent import hosted_agent_config
+    from tierckpt.launcher.dataplane.host import hosted_agent_config
 
     listen = hosted_agent_config(agent, across_hosts=True, job_secret=lambda: b"generated")
     assert listen.listen[0] == "0.0.0.0" and listen.secret == agent.secret

@@ -23,7 +23,6 @@ Call order (one agent per node, all the same code):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -32,7 +31,6 @@ import socket
 import tempfile
 import time
 import zlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -45,6 +43,7 @@ from tierckpt.launcher.control import keys, resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
 from tierckpt.launcher.control.store import connect_client, store_errors
+from tierckpt.launcher.dataplane.host import NodeAgentHost, local_address
 from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
@@ -89,7 +88,7 @@ from tierckpt.monitor import NON_FINITE_LOSS
 from tierckpt.tiers.local import pid_alive
 
 if TYPE_CHECKING:
-    from tierckpt.agent.config import AgentConfig
+    pass
 
 __all__ = ["TierckptAgent"]
 
@@ -125,10 +124,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
         self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess/restarts.py)
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
-        self._node_agent: Any = None
-        self._peers_next = 0.0  # when to look for other nodes' agents in the store next
-        self._peers_published: tuple[int, int] | None = None  # (node, nnodes) last published
-        self._membership = 0  # the generation the current membership formed in (peer discovery's key)
+        # the node agent: hosted, its peers discovered, prefetch and flush (dataplane/host.py)
+        self._host = NodeAgentHost(opts.agent, self.events, across_hosts=opts.agent_across_hosts)
         self._pool: StandbyPool | None = None
         self.warm_ranks: list[int] = []
         self._died_seen = 0
@@ -256,9 +253,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._claims = ClaimWatch(lambda: connect_client(host, port), self._waker.notify,
                                       lambda g: JobControl(connect_client(host, port, 5.0)).release_claim_waiters(g))
         self._liveness.reset(self.node, list(range(self.nnodes)), epoch=self.generation)
-        self._peers_next = 0.0  # a new round: publish the node agent's address again
-        self._peers_published = None
-        self._membership = self.generation  # in-place restarts keep it: the addresses stay valid
+        # a new round: publish the node agent's address again (in-place restarts keep the membership)
+        self._host.follow(self.generation, self.node, self.nnodes)
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
         self._arrivals_seen = arrivals(job_store)
@@ -277,9 +273,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         return self._ctl
 
     def _master_for(self, generation: int) -> tuple[str, int]:
-        wg = self._worker_group
         if self.node == 0:
-            addr = wg.spec.local_addr or _local_address(str(wg.master_addr))
+            addr = self._local_host()
             with socket.socket() as s:
                 s.bind(("", 0))
                 port = int(s.getsockname()[1])
@@ -553,75 +548,30 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.events.emit("exit", generation=self.generation, code=self.exit_code, why=f"launcher error: {self.failure}")
         self._worker_group.state = WorkerState.FAILED
 
-    def _host_agent(self) -> None:
-        cfg = self.opts.agent
-        if cfg is None:
-            return
-        from tierckpt.errors import StorageError
-        from tierckpt.tiers.peer import local_request
-
-        try:
-            local_request(cfg.memory_dir, {"op": "status"}, timeout=2.0)
-            self.events.emit("warning", generation=self.generation, what="a node agent already serves "
-                             f"{cfg.memory_dir}; not hosting another")
-            return
-        except StorageError:  # no agent answers: host one
-            pass
-        from tierckpt.agent import start_agent
-
-        cfg = hosted_agent_config(cfg, across_hosts=self.opts.agent_across_hosts, job_secret=lambda: self.ctl.job_secret())
-        self._node_agent = start_agent(cfg)
-        self.events.emit("agent", generation=self.generation, address=list(self._node_agent.address),
-                         node_id=self._node_agent.node_id, replicas=cfg.replicas)
-
-    def _discover_peers(self, wait_s: float = 0.0) -> None:
-        """Publish the hosted node agent's address in the rendezvous store and hand it the others'.
-
-        Rate-limited to once a second until every node's agent is known (again after a new
-        membership), so ``--replicas`` needs no ``--peers`` list under ``tierckpt run``.
-        ``wait_s``: right after a round (``_prefetch``), wait that long for the others' addresses.
-        """
-        agent, ctl = self._node_agent, self._ctl
-        if agent is None or ctl is None or time.monotonic() < self._peers_next:
-            return
-        self._peers_next = time.monotonic() + 1.0
+    def _local_host(self) -> str:
+        """This node's address for the other nodes (the master's, the node agent's)."""
         wg = self._worker_group
-        host, port = agent.address
-        if host in ("", "0.0.0.0", "::"):
-            host = wg.spec.local_addr or _local_address(str(wg.master_addr))
-        try:
-            if self._peers_published != (self.node, self.nnodes):
-                ctl.publish_agent(self._membership, self.node, host, port)
-                self._peers_published = (self.node, self.nnodes)
-            found = [a for a in ctl.agents(self._membership, self.nnodes, wait_s) if a != (host, port)]
-        except store_errors():
-            return  # the store's host is gone: the liveness check reports it
-        if len(found) >= self.nnodes - 1:
-            self._peers_next = float("inf")  # all known; a new membership publishes again
-        agent.set_peers(found)
+        return wg.spec.local_addr or local_address(str(wg.master_addr))
 
     def _prefetch(self) -> None:
         """Right after a rendezvous, before the workers start: the hosted agent pulls this node's
-        ranks' newest state from peers if its memory lacks it (a replacement; launcher/dataplane/prefetch.py)."""
-        if self._node_agent is not None:
-            self._discover_peers(wait_s=min(5.0, self.opts.node_timeout_s))  # the peers of the new membership
-            from tierckpt.launcher.dataplane import prefetch
-
-            prefetch.start(self._node_agent, self.opts.namespace, [w.global_rank for w in self._worker_group.workers],
-                           self.events, self.generation)
+        ranks' newest state from peers if its memory lacks it (launcher/dataplane/prefetch.py)."""
+        self._host.prefetch(self._ctl, self._local_host, self.opts.namespace,
+                            [w.global_rank for w in self._worker_group.workers], self.generation,
+                            wait_s=min(5.0, self.opts.node_timeout_s))
 
     def _loop(self) -> RunResult:
         wg = self._worker_group
         spec = wg.spec
         if not self.opts.agent_across_hosts:
-            self._host_agent()
+            self._host.start(self.generation, lambda: self.ctl.job_secret())
         self._start_pool()
         try:
             self._join()
         except JobEnded as exc:  # a spare that was never needed
             return self._ended(exc)
-        if self.opts.agent_across_hosts and self._node_agent is None:
-            self._host_agent()  # its secret comes from the rendezvous store
+        if self.opts.agent_across_hosts:
+            self._host.start(self.generation, lambda: self.ctl.job_secret())  # its secret comes from the store
         self._prefetch()
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
@@ -637,7 +587,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._maybe_refill()
             if self._inproc.poll(self.generation, node_of=self._node_of):
                 self._rearm_trackers()
-            self._discover_peers()
+            self._host.discover(self._ctl, self._local_host)
             if result.state == WorkerState.SUCCEEDED:
                 self.ctl.mark_done(self.node)
                 self._exit_barrier()
@@ -854,9 +804,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         o = self.opts
         if not (o.namespace and o.durable_url):
             return
-        if self._node_agent is not None:  # the node's agent drains: ask it to flush and wait
+        if self._host.agent is not None:  # the node's agent drains: ask it to flush and wait
             try:
-                self.events.emit("persisted", generation=self.generation, flush=self._node_agent.flush())
+                self.events.emit("persisted", generation=self.generation, flush=self._host.flush())
             except Exception as exc:  # the exit goes on; the failure is reported
                 self.events.emit("warning", generation=self.generation, what=f"agent flush failed: {exc}")
             return
@@ -891,24 +841,13 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         if self._pool is not None:
             self._pool.close()
             self._pool = None
-        if self._node_agent is not None:
-            self._node_agent.close()
-            self._node_agent = None
+        self._host.close()
         self.events.close()
 
 
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:
     """``{"kind": "replace"}`` for a crash tagged for a replacement alone, else nothing."""
     return {"kind": fault["kind"]} if fault.get("kind") == REPLACE else {}
-
-
-def hosted_agent_config(cfg: AgentConfig, *, across_hosts: bool, job_secret: Callable[[], bytes]) -> AgentConfig:
-    """The hosted agent's config: for peers on other hosts (``options.agent_across_hosts``) it
-    listens on every interface, with the user's secret if one was given, else the job's generated
-    one (``job_secret``, read from the rendezvous store only then)."""
-    if not across_hosts:
-        return cfg
-    return dataclasses.replace(cfg, listen=("0.0.0.0", cfg.listen[1]), secret=cfg.secret or job_secret())
 
 
 def _fault_of(rec: dict[str, Any]) -> Fault:
@@ -924,9 +863,3 @@ def _remove_dead_beat_dirs(parent: str) -> None:
             pid = entry.name[len(_BEAT_PREFIX):].split("-", 1)[0] if entry.name.startswith(_BEAT_PREFIX) else ""
             if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def _local_address(rdzv_host: str) -> str:
-    if rdzv_host in ("localhost", "::1") or rdzv_host.startswith("127."):
-        return "127.0.0.1"
-    return socket.getfqdn()
