@@ -43,3 +43,19 @@ def test_agents_sharing_a_memory_dir_save_the_state_at_once(tmp_path: Path) -> N
     assert runstate.load(RunOptions(memory_dir=str(tmp_path)), "job") == final
     leftovers = sorted(p.name for p in (tmp_path / runstate.STATE_DIR).iterdir() if p.name != "job.json")
     assert leftovers == []  # no temporary file left behind
+
+
+def test_the_run_state_is_a_typed_value_with_the_files_keys_and_tolerates_damage() -> None:
+    from tierckpt.launcher.supervisor.runstate import RunState
+
+    raw = {"next_generation": 5, "full_restarts": 1, "job_started": 1_700_000_000.25,
+           "hang": {"longest_s": 2.0, "longest_idle_s": 0.5, "intervals": 9}, "restarts": 4, "resume_before": 8,
+           "membership_changes": 2, "offenses": {"h:/m": [1.0]}, "avoid": [{"identity": "h:/m"}],
+           "unhealthy_before": 3}
+    st = RunState.from_dict(raw)
+    assert (st.next_generation, st.full_restarts, st.restarts, st.resume_before) == (5, 1, 4, 8)
+    assert st.to_dict() == raw and list(st.to_dict()) == list(raw)  # the keys, in the order files have them
+    assert RunState.from_dict({}) == RunState() and RunState().to_dict()["job_started"] is None
+    bad = RunState.from_dict({"next_generation": "7", "full_restarts": -1, "job_started": float("nan"),
+                              "hang": [1], "resume_before": True, "avoid": "x", "unhealthy_before": 2.5})
+    assert bad == RunState(), bad  # malformed fields read as their defaults, never as an error

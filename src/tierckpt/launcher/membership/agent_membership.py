@@ -15,6 +15,7 @@ Call order (``TierckptAgent``; see torch_agent.py's module doc):
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
@@ -80,7 +81,7 @@ class MembershipPath:
 
         def _settle(self, job_store: Any, *, spare_since: float | None, via: str) -> None: ...
 
-        def _load_state(self) -> dict[str, Any]: ...
+        def _load_state(self) -> Any: ...  # supervisor/runstate.RunState
 
     def _regroup(self, fault: dict[str, Any], g: int) -> bool:
         """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
@@ -167,7 +168,7 @@ class MembershipPath:
             return None
         self._avoid_checked = True
         identity = ranks.identity(self.opts.memory_dir)
-        me = avoided(agree_avoid(job_store, self._load_state().get("avoid")), identity, self.opts.avoid)
+        me = avoided(agree_avoid(job_store, list(self._load_state().avoid)), identity, self.opts.avoid)
         if me is not None:
             self.events.emit("spare", generation=self.generation, state="avoided", identity=identity,
                              machine=me.machine, faults=me.faults, wait_s=self.opts.avoid.wait_s,
@@ -183,12 +184,12 @@ class MembershipPath:
                          why=f"no other node took the first round's free seat within --avoid-wait "
                              f"{self.opts.avoid.wait_s:g}s: this node takes it (the job does not start short)")
 
-    def _avoid_after_round(self, job_store: Any, state: dict[str, Any]) -> None:
-        """After a rendezvous round: carry the last full restart's avoid list (``state``'s) to this
+    def _avoid_after_round(self, job_store: Any, avoid: Sequence[Any]) -> None:
+        """After a rendezvous round: carry the last full restart's avoid list (the state file's) to this
         incarnation's state saves, and publish this node's machine name (avoid.publish_machine)."""
         if not self._avoid.enabled:
             return
-        self._avoid_next = [a.to_dict() for a in Avoided.parse(state.get("avoid"))]
+        self._avoid_next = [a.to_dict() for a in Avoided.parse(list(avoid))]
         publish_machine(job_store, ranks.identity(self.opts.memory_dir), self.opts.avoid.machine_name())
 
     def _avoid_at_full_restart(self, g: int) -> None:

@@ -6,6 +6,9 @@ at ``<durable>/<namespace>/.tierckpt-run/<rdzv-id>.json`` (``file://`` or ``s3:/
 generation, the restarts and full restarts done, when the job first started, the resume bound,
 the hang profile, the repeat offenders and the backoff streak (``torch_agent.py`` ``_save_state``).
 
+``RunState`` is the file's content as a typed value (``RunState.from_dict(load(...))``, and
+``save(..., state.to_dict())``): malformed fields read as their defaults, never as an error.
+
 Call order: ``load`` after each rendezvous, ``save`` before every restart and exit. ``load``
 reads the node-local copy, and the durable copy only when there is no local one (a fresh
 machine: the job's counts, deadlines and bounds go on from where the job was). ``save``
@@ -18,6 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,7 @@ from tierckpt import layout
 from tierckpt.errors import CheckpointNotFoundError, StorageError, TierckptError
 from tierckpt.launcher.options import RunOptions
 
-__all__ = ["STATE_DIR", "load", "save"]
+__all__ = ["STATE_DIR", "RunState", "load", "save"]
 
 STATE_DIR = ".tierckpt-run"
 
@@ -34,6 +40,52 @@ log = logging.getLogger("tierckpt.run")
 # the state file is written on the restart path: a failing S3 may delay a restart by this much, no more
 _S3_ATTEMPTS = 3
 _S3_DEADLINE_S = 5.0
+
+
+@dataclass(frozen=True)
+class RunState:
+    """What survives a full job restart, with the file's keys (an empty file: the defaults).
+
+    ``next_generation``, ``full_restarts``, ``restarts`` done in all; ``job_started`` (wall clock
+    of the first start: activeDeadlineSeconds); ``hang`` (hang.Profile's dict); ``resume_before``
+    (the NaN bound); ``membership_changes`` (arrivals, which cost no restart); ``offenses`` and
+    ``avoid`` (avoid.py's repeat offenders and the last full restart's avoid list);
+    ``unhealthy_before`` (the backoff streak, escalation.py)."""
+
+    next_generation: int = 0
+    full_restarts: int = 0
+    job_started: float | None = None
+    hang: Mapping[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    resume_before: int | None = None
+    membership_changes: int = 0
+    offenses: Any = None
+    avoid: tuple[Any, ...] = ()
+    unhealthy_before: int = 0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> RunState:
+        def count(name: str) -> int:
+            v = raw.get(name)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+        started = raw.get("job_started")
+        bound = raw.get("resume_before")
+        hang, avoid = raw.get("hang"), raw.get("avoid")
+        return cls(next_generation=count("next_generation"), full_restarts=count("full_restarts"),
+                   job_started=float(started) if isinstance(started, (int, float)) and not isinstance(started, bool)
+                   and math.isfinite(started) else None,
+                   hang=dict(hang) if isinstance(hang, dict) else {}, restarts=count("restarts"),
+                   resume_before=bound if isinstance(bound, int) and not isinstance(bound, bool) else None,
+                   membership_changes=count("membership_changes"), offenses=raw.get("offenses"),
+                   avoid=tuple(avoid) if isinstance(avoid, list) else (), unhealthy_before=count("unhealthy_before"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The file's JSON object (the keys and their order as every earlier version wrote them)."""
+        return {"next_generation": self.next_generation, "full_restarts": self.full_restarts,
+                "job_started": self.job_started, "hang": dict(self.hang), "restarts": self.restarts,
+                "resume_before": self.resume_before, "membership_changes": self.membership_changes,
+                "offenses": self.offenses, "avoid": list(self.avoid), "unhealthy_before": self.unhealthy_before}
 
 
 def _memory_path(opts: RunOptions, run_id: str) -> Path | None:

@@ -80,6 +80,7 @@ from tierckpt.launcher.membership.spares import (
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.supervisor import runstate as restart_state
+from tierckpt.launcher.supervisor.runstate import RunState
 from tierckpt.launcher.workers.launch import start_context, static_env, worker_envs
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
@@ -158,19 +159,17 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._avoid_checked = False  # looked itself up in it at its first spare gate (agent_membership)
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
-    def _load_state(self) -> dict[str, Any]:
-        return restart_state.load(self.opts, self._worker_group.spec.rdzv_handler.get_run_id())
+    def _load_state(self) -> RunState:
+        return RunState.from_dict(restart_state.load(self.opts, self._worker_group.spec.rdzv_handler.get_run_id()))
 
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
         streak = self.opts.escalation.unhealthy_streak(self._history, self._unhealthy_before) \
             if full_restarts > self.full_restarts else self._unhealthy_before  # the next incarnation's
-        problem = restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(),
-                                     {"next_generation": next_generation, "full_restarts": full_restarts,
-                                      "job_started": self._job_started, "hang": self._learn().to_dict(),
-                                      "restarts": self._restarts, "resume_before": self.resume_before,
-                                      "membership_changes": self._changes_before + self._changes,
-                                      "offenses": self._avoid.remembered, "avoid": self._avoid_next,
-                                      "unhealthy_before": streak})
+        state = RunState(next_generation=next_generation, full_restarts=full_restarts,
+                         job_started=self._job_started, hang=self._learn().to_dict(), restarts=self._restarts,
+                         resume_before=self.resume_before, membership_changes=self._changes_before + self._changes,
+                         offenses=self._avoid.remembered, avoid=tuple(self._avoid_next), unhealthy_before=streak)
+        problem = restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(), state.to_dict())
         if problem is not None:
             self.events.emit("warning", generation=self.generation, what=problem)
 
@@ -221,16 +220,16 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
         st = self._load_state()
-        self._detectors.learned.merge(Profile.from_dict(st.get("hang")))
-        self._job_started = min(self._job_started, float(st.get("job_started", self._job_started)))
-        resume.offer(job_store, int(st.get("next_generation", 0)), st.get("resume_before"))
+        self._detectors.learned.merge(Profile.from_dict(st.hang))
+        if st.job_started is not None:
+            self._job_started = min(self._job_started, st.job_started)
+        resume.offer(job_store, st.next_generation, st.resume_before)
         self.generation, self.full_restarts = self.ctl.join(
-            store, self.nnodes, local_next=int(st.get("next_generation", 0)),
-            local_full=int(st.get("full_restarts", 0)))
-        self._changes_before = self.ctl.agree_max(keys.MEMBERSHIP_CHANGES, int(st.get("membership_changes", 0)))
-        self._unhealthy_before = self.ctl.agree_max(keys.UNHEALTHY_BEFORE, int(st.get("unhealthy_before", 0)))
-        self._avoid.remember(job_store, st.get("offenses"))
-        self._avoid_after_round(job_store, st)  # the last full restart's avoid list; this node's machine
+            store, self.nnodes, local_next=st.next_generation, local_full=st.full_restarts)
+        self._changes_before = self.ctl.agree_max(keys.MEMBERSHIP_CHANGES, st.membership_changes)
+        self._unhealthy_before = self.ctl.agree_max(keys.UNHEALTHY_BEFORE, st.unhealthy_before)
+        self._avoid.remember(job_store, st.offenses)
+        self._avoid_after_round(job_store, st.avoid)  # the last full restart's avoid list; this node's machine
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
 
