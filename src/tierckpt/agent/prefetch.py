@@ -43,7 +43,7 @@ from tierckpt.observability import get_logger
 if TYPE_CHECKING:
     from tierckpt.agent.service import Agent
 
-__all__ = ["CatalogStep", "LoadWaits", "PrefetchJob", "Want", "namespaces_for", "parse_ranks", "plan", "start", "union_seconds"]
+__all__ = ["CatalogStep", "PrefetchJob", "Want", "namespaces_for", "parse_ranks", "plan", "start"]
 
 _log = get_logger("agent")
 _DATA_RE = re.compile(r"__([0-9]{1,9})_[0-9]{1,9}\.distcp")
@@ -204,43 +204,3 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
                                            "seconds": round(seconds, 3)}
             _log.info("[Agent %s] Step %d: prefetched %s (%d bytes) in %.2fs", agent.node_id, want.step,
                       want.namespace, want.nbytes, seconds)
-
-
-def union_seconds(intervals: Sequence[tuple[float, float]]) -> float:
-    """Seconds covered by the union of ``(start, end)`` intervals (a load's requests overlap)."""
-    total, reach = 0.0, float("-inf")
-    for lo, hi in sorted(intervals):
-        if hi > reach:
-            total += hi - max(lo, reach)
-            reach = hi
-    return total
-
-
-class LoadWaits:
-    """How long the loads' ``fetch`` requests waited on this agent (the network, or a prefetch in
-    flight), per ``<ns>/step_<N>``: the union of the requests' intervals, the number of requests and
-    the slowest file. The newest ``kept`` steps are kept, at most ``per_step`` requests each."""
-
-    def __init__(self, kept: int = 16, per_step: int = 256) -> None:
-        self.kept, self.per_step = kept, per_step
-        self._steps: dict[str, list[tuple[float, float, str]]] = {}
-        self._lock = threading.Lock()
-
-    def note(self, key: str, name: str, start: float, end: float) -> None:
-        with self._lock:
-            spans = self._steps.pop(key, [])
-            if len(spans) < self.per_step:
-                spans.append((start, end, name))
-            self._steps[key] = spans
-            while len(self._steps) > self.kept:
-                del self._steps[next(iter(self._steps))]
-
-    def view(self) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            items = [(k, list(v)) for k, v in self._steps.items()]
-        out = {}
-        for key, spans in items:
-            slowest = max(spans, key=lambda s: s[1] - s[0])
-            out[key] = {"seconds": round(union_seconds([(a, b) for a, b, _ in spans]), 4), "files": len(spans),
-                        "slowest": slowest[2], "slowest_s": round(slowest[1] - slowest[0], 4)}
-        return out

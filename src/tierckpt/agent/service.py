@@ -25,8 +25,7 @@ from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
 from tierckpt.agent.client import Connection, PeerClient, ask_all
 from tierckpt.agent.config import USER_SECRET, AgentConfig, user_secret
-from tierckpt.agent.metrics import AgentMetrics
-from tierckpt.agent.prefetch import LoadWaits
+from tierckpt.agent.metrics import AgentMetrics, LoadWaits
 from tierckpt.agent.protect import refresh as refresh_protected
 from tierckpt.agent.receive import receive_replica
 from tierckpt.agent.replicate import Replicator
