@@ -25,7 +25,6 @@ from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent import safefs
 from tierckpt.agent.client import PeerError, ask_all
-from tierckpt.agent.server import reply_error
 from tierckpt.agent.transfer import StreamCheck, split_ranges, verify_file
 from tierckpt.errors import IntegrityError, StorageError, TierckptError
 from tierckpt.observability import get_logger
@@ -170,7 +169,7 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
     with agent.fetch_lock((ns, step, ".seal")):  # not a file name: no clash with the caller's lock
         manifest = _manifest(agent, ns, step, known, errors)  # the seal first: it decides what is good
     if manifest is None:
-        return reply_error(f"no peer holds a sealed manifest of step {step}: {'; '.join(errors)}", "missing")
+        return p.reply_error(f"no peer holds a sealed manifest of step {step}: {'; '.join(errors)}", "missing")
     if name in (layout.MANIFEST, layout.MARKER):
         return {"ok": True}
     if (step_dir / name).exists():
@@ -178,7 +177,7 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
     known.sort(key=lambda h: h.save_id != manifest.save_id)  # copies of the same save first
     candidates = [h for h in known if name in h.held]
     if not candidates:
-        return reply_error(f"no peer holds {name} of step {step}", "missing")
+        return p.reply_error(f"no peer holds {name} of step {step}", "missing")
     bad = False
     for h in candidates:
         tmp = step_dir.parent / layout.STAGING / f"{step}.{name}.{uuid.uuid4().hex[:8]}"
@@ -203,7 +202,7 @@ def fetch(agent: Agent, ns: str, step: int, name: str) -> dict[str, Any]:
             errors.append(f"{h.node}: {exc}")
         finally:
             tmp.unlink(missing_ok=True)
-    return reply_error("; ".join(errors), "integrity" if bad else "storage")
+    return p.reply_error("; ".join(errors), "integrity" if bad else "storage")
 
 
 def _get_verified(agent: Agent, h: Holder, ns: str, step: int, name: str, dest: Path,

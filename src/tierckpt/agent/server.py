@@ -26,7 +26,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tierckpt.agent import protocol as p
 from tierckpt.agent.tls import ServerTLS
@@ -278,7 +278,3 @@ class LocalServer:
         except OSError:
             pass
         self._thread.join(timeout=5)
-
-
-def reply_error(message: str, kind: str = "storage") -> dict[str, Any]:
-    return {"ok": False, "kind": kind, "error": message}
