@@ -130,8 +130,6 @@ DEBTS: dict[tuple[str, str], str] = {
     ("tierckpt.agent.receive", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
     ("tierckpt.agent.replicate", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
     ("tierckpt.agent.serve", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.server", "tierckpt.agent.service"):
-        "the servers dispatch through the Agent until they take callables (step 3b)",
     ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership.change"):
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):

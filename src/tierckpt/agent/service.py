@@ -98,9 +98,12 @@ class Agent:
         self.replicator = Replicator(self)
         # on loopback without a job secret: this user's own (other local users are not trusted)
         self.secret: bytes = config.secret or user_secret()
-        self.peer_server = PeerServer(self, *config.listen)
+        self.peer_server = PeerServer(*config.listen, node_id=self.node_id, secret=self.secret, limits=config.limits,
+                                      insecure_wire=config.insecure_wire, handle_peer=self.handle_peer,
+                                      rejected=self.metrics.rejected.inc)
         self.address = self.peer_server.address
-        self.local_server = LocalServer(self, Path(config.memory_dir) / layout.AGENT_SOCKET)
+        self.local_server = LocalServer(Path(config.memory_dir) / layout.AGENT_SOCKET, handle_local=self.handle_local,
+                                        idle_s=config.limits.local_idle_s)
         self._loop = threading.Thread(target=self._run, name="tierckpt-agent-loop", daemon=True)
         self._loop.start()
         _log.info("[Agent %s] serving %s on %s:%d (peers: %s, replicas: %d)", self.node_id, config.memory_dir,
