@@ -123,13 +123,6 @@ DEBTS: dict[tuple[str, str], str] = {
         "resilient clears DCP's plan cache before each generation (and so loads the whole dcp/ package)",
     ("tierckpt.node.budget", "tierckpt.tiers.peer"):
         "local_request stays in tiers/peer.py while launcher/agent.py imports it there (node/sock.py takes it after step 4)",
-    ("tierckpt.agent.drain", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.local", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.prefetch", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.protect", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.receive", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.replicate", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.serve", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
     ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership.change"):
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):

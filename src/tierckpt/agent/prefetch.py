@@ -23,7 +23,7 @@ Which namespaces: local mode saves rank ``r`` in ``<ns>--rank<r>`` (every file o
 ``r``'s: prefetch them all); global mode saves every rank in ``<ns>`` (prefetch ``r``'s data
 files ``__<r>_<k>.distcp`` and ``.metadata``). Both are asked; the one the peers hold is fetched.
 
-Call order: ``start(agent, namespace, ranks, on_done)`` returns a started ``PrefetchJob`` at
+Call order: ``start(state, namespace, ranks, on_done)`` returns a started ``PrefetchJob`` at
 once (one daemon thread) → ``on_done(job)`` from the thread when it ends, then ``job.wait()``
 returns.
 """
@@ -41,7 +41,7 @@ from tierckpt import layout
 from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
 __all__ = ["CatalogStep", "PrefetchJob", "Want", "namespaces_for", "parse_ranks", "plan", "start"]
 
@@ -139,27 +139,27 @@ def parse_ranks(value: object) -> tuple[int, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def start(agent: Agent, namespace: str, ranks: Sequence[int],
+def start(state: NodeState, namespace: str, ranks: Sequence[int],
           on_done: Callable[[PrefetchJob], None] | None = None) -> PrefetchJob:
     """Start prefetching ``ranks``' newest state of ``namespace`` in a daemon thread; returns at once."""
     job = PrefetchJob(namespace, tuple(ranks))
-    agent.last_prefetch = job.summary()
-    agent.count_prefetch(+1)
+    state.last_prefetch = job.summary()
+    state.count_prefetch(+1)
 
     def run() -> None:
         try:
-            _run(agent, job)
+            _run(state, job)
         except Exception as exc:  # reported, never raised into the launcher; the load takes today's path
             job.results["*"] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
-            agent.count_prefetch(-1)
+            state.count_prefetch(-1)
             job.finished = time.time()
-            agent.last_prefetch = job.summary()
+            state.last_prefetch = job.summary()
             try:
                 if on_done is not None:  # before ``done``: a waiter sees what the callback reported
                     on_done(job)
             except Exception as exc:  # a failing callback must not leave waiters hanging
-                _log.warning("[Agent %s] prefetch callback failed: %s", agent.node_id, exc)
+                _log.warning("[Agent %s] prefetch callback failed: %s", state.node_id, exc)
             finally:
                 job.done.set()
 
@@ -167,7 +167,7 @@ def start(agent: Agent, namespace: str, ranks: Sequence[int],
     return job
 
 
-def _run(agent: Agent, job: PrefetchJob) -> None:
+def _run(state: NodeState, job: PrefetchJob) -> None:
     from tierckpt.agent import local
     from tierckpt.config import validate_namespace
     from tierckpt.errors import ConfigError
@@ -178,10 +178,10 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
             validate_namespace(ns)  # a long namespace's per-rank names may pass 128 characters: skip those
         except ConfigError:
             continue
-        reply = local.catalog(agent, ns)
+        reply = local.catalog(state, ns)
         catalog = {int(s["step"]): CatalogStep(int(s["step"]), dict(s["held"]), frozenset(s["all"]))
                    for s in reply["steps"]}
-        own = [s.step for s in agent.store.own(ns).list_steps()]
+        own = [s.step for s in state.store.own(ns).list_steps()]
         want = plan(ns, catalog, ranks=None if rank is not None else job.ranks, own_newest=max(own, default=None))
         if want is not None:
             wants.append(want)
@@ -189,8 +189,8 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
         t0 = time.perf_counter()
         errors = []
         for name in want.names:
-            with agent.fetch_lock((want.namespace, want.step, name)):  # a worker's fetch of it waits here
-                reply = local.fetch(agent, want.namespace, want.step, name)
+            with state.fetch_lock((want.namespace, want.step, name)):  # a worker's fetch of it waits here
+                reply = local.fetch(state, want.namespace, want.step, name)
             if not reply.get("ok"):
                 errors.append(f"{name}: {reply.get('error')}")
                 break  # the rest would not make the step loadable from here; the load fetches itself
@@ -198,9 +198,9 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
         if errors:
             job.results[want.namespace] = {"step": want.step, "error": "; ".join(errors)}
             _log.warning("[Agent %s] Step %d: prefetch of %s failed, the load fetches itself: %s",
-                         agent.node_id, want.step, want.namespace, "; ".join(errors))
+                         state.node_id, want.step, want.namespace, "; ".join(errors))
         else:
             job.results[want.namespace] = {"step": want.step, "files": list(want.names), "bytes": want.nbytes,
                                            "seconds": round(seconds, 3)}
-            _log.info("[Agent %s] Step %d: prefetched %s (%d bytes) in %.2fs", agent.node_id, want.step,
+            _log.info("[Agent %s] Step %d: prefetched %s (%d bytes) in %.2fs", state.node_id, want.step,
                       want.namespace, want.nbytes, seconds)
