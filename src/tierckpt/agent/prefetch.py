@@ -6,7 +6,7 @@ the process group, so the whole transfer would be visible in the recovery. Inste
 as the launcher knows which ranks this node runs (after its rendezvous), it asks its agent to
 prefetch: the agent lists what the peers hold, picks for each of these ranks the newest step
 the peers hold completely (``plan``, pure) and fetches those files into the peer cache
-(``<memory root>/.peer/``) through the same verified path as a load (``local.fetch``: the
+(``<memory root>/.peer/``) through the same verified path as a load (``fetch.fetch``: the
 sealed manifest first, every item checked while it arrives, one rename when good).
 
 A worker's load then finds the files in the cache, or waits for the one being fetched: each
@@ -38,6 +38,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
+from tierckpt.agent import fetch
+from tierckpt.config import validate_namespace
+from tierckpt.errors import ConfigError
 from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
@@ -168,9 +171,6 @@ def start(state: NodeState, namespace: str, ranks: Sequence[int],
 
 
 def _run(state: NodeState, job: PrefetchJob) -> None:
-    from tierckpt.agent import local
-    from tierckpt.config import validate_namespace
-    from tierckpt.errors import ConfigError
 
     wants: list[Want] = []
     for ns, rank in namespaces_for(job.namespace, job.ranks):
@@ -178,7 +178,7 @@ def _run(state: NodeState, job: PrefetchJob) -> None:
             validate_namespace(ns)  # a long namespace's per-rank names may pass 128 characters: skip those
         except ConfigError:
             continue
-        reply = local.catalog(state, ns)
+        reply = fetch.catalog(state, ns)
         catalog = {int(s["step"]): CatalogStep(int(s["step"]), dict(s["held"]), frozenset(s["all"]))
                    for s in reply["steps"]}
         own = [s.step for s in state.store.own(ns).list_steps()]
@@ -190,7 +190,7 @@ def _run(state: NodeState, job: PrefetchJob) -> None:
         errors = []
         for name in want.names:
             with state.fetch_lock((want.namespace, want.step, name)):  # a worker's fetch of it waits here
-                reply = local.fetch(state, want.namespace, want.step, name)
+                reply = fetch.fetch(state, want.namespace, want.step, name)
             if not reply.get("ok"):
                 errors.append(f"{name}: {reply.get('error')}")
                 break  # the rest would not make the step loadable from here; the load fetches itself
