@@ -243,7 +243,7 @@ def test_the_budget_reserves_before_bytes_and_evicts_only_when_they_are_here(nod
     stalled.close()
     third.close()
     conn.close()
-    wait_for(lambda: b._agent._reserved == 0, "the stalled put's reservation to be released")
+    wait_for(lambda: b._agent.state.reserved_bytes() == 0, "the stalled put's reservation to be released")
     assert _replicas(b_dir) == [1] and verify_copy(NodeStore(b_dir, "node-b").replica("node-a", NS), 1, NS).ok
     assert NodeStore(b_dir, "node-b").usage_bytes() <= base + (6 << 20)
     serves_bit_for_bit(b.address, b_dir, "node-a", 1, replica=True)

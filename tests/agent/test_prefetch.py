@@ -18,14 +18,13 @@ import torch
 import tierckpt
 from tests.agent.conftest import sends_ended, wait_for
 from tierckpt import layout
+from tierckpt.agent.metrics import LoadWaits, union_seconds
 from tierckpt.agent.prefetch import (
     CatalogStep,
-    LoadWaits,
     Want,
     namespaces_for,
     parse_ranks,
     plan,
-    union_seconds,
 )
 from tierckpt.agent.store import NodeStore
 from tierckpt.tiers.peer import local_request

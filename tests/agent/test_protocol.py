@@ -11,7 +11,7 @@ import pytest
 from tierckpt import layout
 from tierckpt.agent import protocol as p
 from tierckpt.agent.config import AgentConfig, parse_budget
-from tierckpt.agent.service import ring_targets
+from tierckpt.agent.state import ring_targets
 from tierckpt.agent.store import Held, select_evictions
 from tierckpt.agent.transfer import StreamCheck, split_ranges
 from tierckpt.errors import ConfigError, IntegrityError

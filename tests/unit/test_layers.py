@@ -46,7 +46,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "agent.state": ("tierckpt.agent.state",),
     "agent.handlers": ("tierckpt.agent.handlers.*", "tierckpt.agent.serve", "tierckpt.agent.receive",
                        "tierckpt.agent.replicate", "tierckpt.agent.protect", "tierckpt.agent.prefetch",
-                       "tierckpt.agent.drain", "tierckpt.agent.local"),
+                       "tierckpt.agent.drain", "tierckpt.agent.local", "tierckpt.agent.fetch"),
     "agent.server": ("tierckpt.agent.server",),
     "agent.service": ("tierckpt.agent.service", "tierckpt.agent.__main__", "tierckpt.agent.cli"),
     "agent.face": ("tierckpt.agent",),
@@ -123,16 +123,6 @@ DEBTS: dict[tuple[str, str], str] = {
         "resilient clears DCP's plan cache before each generation (and so loads the whole dcp/ package)",
     ("tierckpt.node.budget", "tierckpt.tiers.peer"):
         "local_request stays in tiers/peer.py while launcher/agent.py imports it there (node/sock.py takes it after step 4)",
-    ("tierckpt.agent.drain", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.local", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.prefetch", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.protect", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.receive", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.replicate", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.serve", "tierckpt.agent.service"): "handlers take the Agent until NodeState (step 3a)",
-    ("tierckpt.agent.server", "tierckpt.agent.service"):
-        "the servers dispatch through the Agent until they take callables (step 3b)",
-    ("tierckpt.agent.local", "tierckpt.agent.server"): "reply_error lives in server.py until wire/protocol.py (step 3b)",
     ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership.change"):
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):
@@ -147,7 +137,7 @@ DEBTS: dict[tuple[str, str], str] = {
 }
 
 # strongly connected components of more than one module in the import graph (see test_cycles)
-CYCLES = 1
+CYCLES = 0
 
 
 def _module_name(path: Path) -> str:

@@ -56,7 +56,7 @@ class AgentHandle:
     def flush(self, namespace: str | None = None) -> dict[str, Any]:
         from tierckpt.agent.drain import flush
 
-        return flush(self._agent, namespace)
+        return flush(self._agent.state, namespace)
 
     def set_peers(self, peers: Sequence[tuple[str, int]]) -> None:
         """Peers found at run time (the rendezvous store under ``tierckpt run``): ``--peers`` plus
@@ -69,7 +69,7 @@ class AgentHandle:
         node's peer cache, in the background (``agent.prefetch``); a load waits for a file in flight."""
         from tierckpt.agent.prefetch import start
 
-        return start(self._agent, namespace, ranks, on_done)
+        return start(self._agent.state, namespace, ranks, on_done)
 
     def tick(self) -> None:
         """Run one replication and budget round now (tests; the agent also runs them itself)."""

@@ -22,45 +22,60 @@ from tierckpt.tiers import LocalTier, open_durable
 from tierckpt.tiers.copy import commit_step, pin_files, put_files, sealed_step
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
-__all__ = ["drain_lag", "flush"]
+__all__ = ["drain_lag", "flush", "refresh_drain_lag"]
 
 _log = get_logger("agent")
 
 
-def flush(agent: Agent, namespace: str | None) -> dict[str, Any]:
-    url = agent.config.durable_url
+def flush(state: NodeState, namespace: str | None) -> dict[str, Any]:
+    url = state.config.durable_url
     if url is None:
         return {"ok": True, "drained": {}, "note": "no durable_url: nothing to flush"}
     out: dict[str, Any] = {}
     errors: list[str] = []
-    for ns in [namespace] if namespace else agent.store.namespaces():
+    for ns in [namespace] if namespace else state.store.namespaces():
         try:
-            out[ns] = drain_newest(agent, ns, url)
+            out[ns] = drain_newest(state, ns, url)
         except (TierckptError, OSError) as exc:
             errors.append(f"{ns}: {exc}")
-    agent.drain_state = {"last_flush": time.time(), "drained": out, "errors": errors}
+    state.drain_state = {"last_flush": time.time(), "drained": out, "errors": errors}
     try:
-        agent.refresh_drain_lag()
+        refresh_drain_lag(state)
     except (TierckptError, OSError) as exc:
         errors.append(f"drain lag: {exc}")
     return {"ok": not errors, "drained": out, "error": "; ".join(errors) or None}
 
 
-def drain_lag(agent: Agent, ns: str, known: dict[str, int | None]) -> dict[str, Any]:
+def refresh_drain_lag(state: NodeState, *, list_durable: bool = True) -> dict[str, dict[str, Any]]:
+    """Per namespace: the newest memory and durable steps and the lag between them.
+
+    ``list_durable`` False reuses the newest durable step found last time (listing an S3
+    tier is a request; memory is read every time).
+    """
+    known = {ns: v["newest_durable"] for ns, v in state.drain_lag.items() if "newest_durable" in v}
+    if list_durable:
+        state.drain_listed()
+        known = {}
+    state.drain_lag = {ns: drain_lag(state, ns, known) for ns in state.store.namespaces()}
+    state.metrics.drain_lag.set(sum(int(v.get("lag_steps", 0)) for v in state.drain_lag.values()))
+    return state.drain_lag
+
+
+def drain_lag(state: NodeState, ns: str, known: dict[str, int | None]) -> dict[str, Any]:
     """{newest_memory, newest_durable, lag_steps}: this node's committed memory steps of ``ns``
     newer than the newest durable step (0 when the newest is durable, or nothing is held).
     The durable tier is listed unless ``known`` has its newest step already."""
-    url = agent.config.durable_url
-    memory = [s.step for s in agent.store.own(ns).list_steps()]
+    url = state.config.durable_url
+    memory = [s.step for s in state.store.own(ns).list_steps()]
     if url is None:
         return {"newest_memory": memory[-1] if memory else None}
     if ns in known:
         newest = known[ns]
         return {"newest_memory": memory[-1] if memory else None, "newest_durable": newest,
                 "lag_steps": sum(1 for s in memory if newest is None or s > newest)}
-    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
+    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=state.config.memory_dir, durable_url=url))
     try:
         steps = [s.step for s in durable.list_steps()] if durable is not None else []
     except (TierckptError, OSError) as exc:
@@ -74,13 +89,13 @@ def drain_lag(agent: Agent, ns: str, known: dict[str, int | None]) -> dict[str, 
     return {"newest_memory": memory[-1] if memory else None, "newest_durable": newest, "lag_steps": lag}
 
 
-def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
-    memory = agent.store.own(ns)
+def drain_newest(state: NodeState, ns: str, url: str) -> dict[str, Any]:
+    memory = state.store.own(ns)
     steps = memory.list_steps()
     if not steps:
         return {"state": "empty"}
     newest = steps[-1]
-    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=agent.config.memory_dir, durable_url=url))
+    durable = open_durable(CheckpointConfig(namespace=ns, memory_dir=state.config.memory_dir, durable_url=url))
     if durable is None:
         raise ConfigError(f"durable_url {url!r} names no durable tier; pass file:///path or s3://bucket/prefix")
     try:
@@ -94,7 +109,7 @@ def drain_newest(agent: Agent, ns: str, url: str) -> dict[str, Any]:
         if not _complete_and_claimed(durable, newest.step, save_id, set(sealed.manifest.files), set(mine)):
             return {"step": newest.step, "state": "partial", "files": mine}
         commit_step(durable, newest.step, save_id, sealed.metadata, sealed.manifest_raw)
-        _log.info("[Agent %s] Step %d: drained %s to %s in %s", agent.node_id, newest.step, ns,
+        _log.info("[Agent %s] Step %d: drained %s to %s in %s", state.node_id, newest.step, ns,
                   durable.location(newest.step), throughput(nbytes, time.perf_counter() - t0))
         return {"step": newest.step, "state": "durable", "files": mine}
     finally:

@@ -6,7 +6,7 @@ the process group, so the whole transfer would be visible in the recovery. Inste
 as the launcher knows which ranks this node runs (after its rendezvous), it asks its agent to
 prefetch: the agent lists what the peers hold, picks for each of these ranks the newest step
 the peers hold completely (``plan``, pure) and fetches those files into the peer cache
-(``<memory root>/.peer/``) through the same verified path as a load (``local.fetch``: the
+(``<memory root>/.peer/``) through the same verified path as a load (``fetch.fetch``: the
 sealed manifest first, every item checked while it arrives, one rename when good).
 
 A worker's load then finds the files in the cache, or waits for the one being fetched: each
@@ -23,7 +23,7 @@ Which namespaces: local mode saves rank ``r`` in ``<ns>--rank<r>`` (every file o
 ``r``'s: prefetch them all); global mode saves every rank in ``<ns>`` (prefetch ``r``'s data
 files ``__<r>_<k>.distcp`` and ``.metadata``). Both are asked; the one the peers hold is fetched.
 
-Call order: ``start(agent, namespace, ranks, on_done)`` returns a started ``PrefetchJob`` at
+Call order: ``start(state, namespace, ranks, on_done)`` returns a started ``PrefetchJob`` at
 once (one daemon thread) → ``on_done(job)`` from the thread when it ends, then ``job.wait()``
 returns.
 """
@@ -38,12 +38,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tierckpt import layout
+from tierckpt.agent import fetch
+from tierckpt.config import validate_namespace
+from tierckpt.errors import ConfigError
 from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
-__all__ = ["CatalogStep", "LoadWaits", "PrefetchJob", "Want", "namespaces_for", "parse_ranks", "plan", "start", "union_seconds"]
+__all__ = ["CatalogStep", "PrefetchJob", "Want", "namespaces_for", "parse_ranks", "plan", "start"]
 
 _log = get_logger("agent")
 _DATA_RE = re.compile(r"__([0-9]{1,9})_[0-9]{1,9}\.distcp")
@@ -139,27 +142,27 @@ def parse_ranks(value: object) -> tuple[int, ...]:
     return tuple(dict.fromkeys(value))
 
 
-def start(agent: Agent, namespace: str, ranks: Sequence[int],
+def start(state: NodeState, namespace: str, ranks: Sequence[int],
           on_done: Callable[[PrefetchJob], None] | None = None) -> PrefetchJob:
     """Start prefetching ``ranks``' newest state of ``namespace`` in a daemon thread; returns at once."""
     job = PrefetchJob(namespace, tuple(ranks))
-    agent.last_prefetch = job.summary()
-    agent.count_prefetch(+1)
+    state.last_prefetch = job.summary()
+    state.count_prefetch(+1)
 
     def run() -> None:
         try:
-            _run(agent, job)
+            _run(state, job)
         except Exception as exc:  # reported, never raised into the launcher; the load takes today's path
             job.results["*"] = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
-            agent.count_prefetch(-1)
+            state.count_prefetch(-1)
             job.finished = time.time()
-            agent.last_prefetch = job.summary()
+            state.last_prefetch = job.summary()
             try:
                 if on_done is not None:  # before ``done``: a waiter sees what the callback reported
                     on_done(job)
             except Exception as exc:  # a failing callback must not leave waiters hanging
-                _log.warning("[Agent %s] prefetch callback failed: %s", agent.node_id, exc)
+                _log.warning("[Agent %s] prefetch callback failed: %s", state.node_id, exc)
             finally:
                 job.done.set()
 
@@ -167,10 +170,7 @@ def start(agent: Agent, namespace: str, ranks: Sequence[int],
     return job
 
 
-def _run(agent: Agent, job: PrefetchJob) -> None:
-    from tierckpt.agent import local
-    from tierckpt.config import validate_namespace
-    from tierckpt.errors import ConfigError
+def _run(state: NodeState, job: PrefetchJob) -> None:
 
     wants: list[Want] = []
     for ns, rank in namespaces_for(job.namespace, job.ranks):
@@ -178,10 +178,10 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
             validate_namespace(ns)  # a long namespace's per-rank names may pass 128 characters: skip those
         except ConfigError:
             continue
-        reply = local.catalog(agent, ns)
+        reply = fetch.catalog(state, ns)
         catalog = {int(s["step"]): CatalogStep(int(s["step"]), dict(s["held"]), frozenset(s["all"]))
                    for s in reply["steps"]}
-        own = [s.step for s in agent.store.own(ns).list_steps()]
+        own = [s.step for s in state.store.own(ns).list_steps()]
         want = plan(ns, catalog, ranks=None if rank is not None else job.ranks, own_newest=max(own, default=None))
         if want is not None:
             wants.append(want)
@@ -189,8 +189,8 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
         t0 = time.perf_counter()
         errors = []
         for name in want.names:
-            with agent.fetch_lock((want.namespace, want.step, name)):  # a worker's fetch of it waits here
-                reply = local.fetch(agent, want.namespace, want.step, name)
+            with state.fetch_lock((want.namespace, want.step, name)):  # a worker's fetch of it waits here
+                reply = fetch.fetch(state, want.namespace, want.step, name)
             if not reply.get("ok"):
                 errors.append(f"{name}: {reply.get('error')}")
                 break  # the rest would not make the step loadable from here; the load fetches itself
@@ -198,49 +198,9 @@ def _run(agent: Agent, job: PrefetchJob) -> None:
         if errors:
             job.results[want.namespace] = {"step": want.step, "error": "; ".join(errors)}
             _log.warning("[Agent %s] Step %d: prefetch of %s failed, the load fetches itself: %s",
-                         agent.node_id, want.step, want.namespace, "; ".join(errors))
+                         state.node_id, want.step, want.namespace, "; ".join(errors))
         else:
             job.results[want.namespace] = {"step": want.step, "files": list(want.names), "bytes": want.nbytes,
                                            "seconds": round(seconds, 3)}
-            _log.info("[Agent %s] Step %d: prefetched %s (%d bytes) in %.2fs", agent.node_id, want.step,
+            _log.info("[Agent %s] Step %d: prefetched %s (%d bytes) in %.2fs", state.node_id, want.step,
                       want.namespace, want.nbytes, seconds)
-
-
-def union_seconds(intervals: Sequence[tuple[float, float]]) -> float:
-    """Seconds covered by the union of ``(start, end)`` intervals (a load's requests overlap)."""
-    total, reach = 0.0, float("-inf")
-    for lo, hi in sorted(intervals):
-        if hi > reach:
-            total += hi - max(lo, reach)
-            reach = hi
-    return total
-
-
-class LoadWaits:
-    """How long the loads' ``fetch`` requests waited on this agent (the network, or a prefetch in
-    flight), per ``<ns>/step_<N>``: the union of the requests' intervals, the number of requests and
-    the slowest file. The newest ``kept`` steps are kept, at most ``per_step`` requests each."""
-
-    def __init__(self, kept: int = 16, per_step: int = 256) -> None:
-        self.kept, self.per_step = kept, per_step
-        self._steps: dict[str, list[tuple[float, float, str]]] = {}
-        self._lock = threading.Lock()
-
-    def note(self, key: str, name: str, start: float, end: float) -> None:
-        with self._lock:
-            spans = self._steps.pop(key, [])
-            if len(spans) < self.per_step:
-                spans.append((start, end, name))
-            self._steps[key] = spans
-            while len(self._steps) > self.kept:
-                del self._steps[next(iter(self._steps))]
-
-    def view(self) -> dict[str, dict[str, Any]]:
-        with self._lock:
-            items = [(k, list(v)) for k, v in self._steps.items()]
-        out = {}
-        for key, spans in items:
-            slowest = max(spans, key=lambda s: s[1] - s[0])
-            out[key] = {"seconds": round(union_seconds([(a, b) for a, b, _ in spans]), 4), "files": len(spans),
-                        "slowest": slowest[2], "slowest_s": round(slowest[1] - slowest[0], 4)}
-        return out

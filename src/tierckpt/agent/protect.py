@@ -13,8 +13,8 @@ itself):
 Cost: one step per origin and namespace beyond ``memory_steps_retained`` (two while a newer
 replica is in flight); the steps are mostly the same ones, since ranks save in step.
 
-Call order: ``refresh(agent)`` from the agent's round, at a put's admission and after it,
-and after a replication; it computes ``wanted(agent)`` and rewrites each own namespace's
+Call order: ``refresh(state)`` from the agent's round, at a put's admission and after it,
+and after a replication; it computes ``wanted(state)`` and rewrites each own namespace's
 ``.keep`` whose list changed (``tierckpt.node.keep``).
 """
 
@@ -29,7 +29,7 @@ from tierckpt.node.keep import write_protected
 from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
 __all__ = ["base_namespace", "refresh", "wanted"]
 
@@ -42,11 +42,11 @@ def base_namespace(ns: str) -> str:
     return _RANK_SUFFIX.sub("", ns)
 
 
-def wanted(agent: Agent) -> dict[str, set[int]]:
+def wanted(state: NodeState) -> dict[str, set[int]]:
     """Own namespace → the steps to protect in it (every own namespace present, possibly empty)."""
-    store = agent.store
+    store = state.store
     own = store.namespaces()
-    own_steps = {ns: _steps(agent, ns) for ns in own}
+    own_steps = {ns: _steps(state, ns) for ns in own}
     out: dict[str, set[int]] = {ns: set() for ns in own}
 
     def protect(replica_ns: str, steps: set[int]) -> None:
@@ -55,11 +55,10 @@ def wanted(agent: Agent) -> dict[str, set[int]]:
             if base_namespace(ns) == base:
                 out[ns] |= steps
 
-    with agent._lock:
-        in_flight = set(agent._puts)
-        replicated = {ns: done[0] for ns, done in agent.replicated.items() if done[2]}
+    in_flight = state.puts_in_flight()
+    replicated = state.replicated_steps()
     for origin, ns, step in in_flight:
-        if origin != agent.node_id:
+        if origin != state.node_id:
             protect(ns, {step})
     for origin in store.origins():
         for ns in store.replica_namespaces(origin):
@@ -77,23 +76,23 @@ def wanted(agent: Agent) -> dict[str, set[int]]:
     return out
 
 
-def refresh(agent: Agent) -> None:
+def refresh(state: NodeState) -> None:
     """Rewrite each own namespace's ``.keep`` whose steps changed; failures are logged (retried next round)."""
-    with agent.protect_lock:
-        for ns, steps in wanted(agent).items():
-            if agent.protected.get(ns) == steps:
+    with state.protect_lock:
+        for ns, steps in wanted(state).items():
+            if state.protected.get(ns) == steps:
                 continue
             try:
-                with safefs.open_dir(agent.store.root, agent.store.parts("own", agent.node_id, ns)) as dfd:
+                with safefs.open_dir(state.store.root, state.store.parts("own", state.node_id, ns)) as dfd:
                     write_protected(dfd, steps)
             except OSError as exc:
-                _log.warning("[Agent %s] cannot write the protected steps of %s: %s", agent.node_id, ns, exc)
+                _log.warning("[Agent %s] cannot write the protected steps of %s: %s", state.node_id, ns, exc)
                 continue
-            agent.protected[ns] = steps
+            state.protected[ns] = steps
 
 
-def _steps(agent: Agent, ns: str) -> set[int]:
+def _steps(state: NodeState, ns: str) -> set[int]:
     try:
-        return {s.step for s in agent.store.own(ns).list_steps()}
+        return {s.step for s in state.store.own(ns).list_steps()}
     except TierckptError:
         return set()

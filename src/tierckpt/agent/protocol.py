@@ -69,6 +69,7 @@ __all__ = [
     "parse_header",
     "parse_listing_entry",
     "parse_request",
+    "reply_error",
     "server_mac",
     "too_deep",
     "validate_file_name",
@@ -322,3 +323,7 @@ def parse_listing_entry(entry: object) -> ListingEntry:
                         validate_save_id(entry.get("save_id")),
                         {validate_file_name(n): _int(v, "file size", MAX_FILE) for n, v in held.items()},
                         tuple(validate_file_name(n) for n in names))
+
+
+def reply_error(message: str, kind: str = "storage") -> dict[str, Any]:
+    return {"ok": False, "kind": kind, "error": message}

@@ -1,7 +1,7 @@
 """Receiving a replica from a peer: admitted, reserved, staged per connection, checked, committed.
 
 Call order (in a peer connection's thread, after ``parse_request`` gave a ``Put``):
-``receive_replica(agent, req, conn, peer)``:
+``receive_replica(state, req, conn, peer)``:
 
 1. refuse before any byte moves (``error``): another node's steps, a put of the same
    origin/step already in flight, a committed step owned by another sender's token, no room
@@ -15,7 +15,7 @@ Call order (in a peer connection's thread, after ``parse_request`` gave a ``Put`
    byte is still read, then an ``error`` frame says what failed; the staging directory goes.
 4. otherwise evict what the budget now needs, record the owner, one rename makes the step
    visible, steps of this origin the sender no longer keeps (and owns) go; ``stored``; the
-   protected steps follow the replicas now held (``Agent.end_put``).
+   protected steps follow the replicas now held (``protect.refresh`` after ``NodeState.end_put``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from tierckpt.observability import get_logger, throughput
 from tierckpt.tiers.integrity import sealed_manifest_bytes
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
 __all__ = ["receive_replica"]
 
@@ -48,42 +48,43 @@ _log = get_logger("agent")
 _HOST = socket.gethostname()
 
 
-def receive_replica(agent: Agent, req: p.Put, conn: Connection, peer: str) -> None:
+def receive_replica(state: NodeState, req: p.Put, conn: Connection, peer: str) -> None:
     """Store a replica a peer sends (see the module docstring for the order)."""
-    if req.origin == agent.node_id or req.origin != peer:
+    if req.origin == state.node_id or req.origin != peer:
         raise p.ProtocolViolation(f"node {peer} may only send its own steps")
     if any(n in p.SMALL_FILES and s > p.MAX_SMALL for n, s in req.files):
         raise p.ProtocolViolation("a metadata file larger than 64 MiB")
     key = (req.origin, req.namespace, req.step)
-    if not agent.begin_put(key):
+    if not state.begin_put(key):
         conn.send({"op": "error", "message": f"a put of {req.namespace}/step_{req.step} from {req.origin} "
                                               "is in flight already; refused"})
         return
     reserved = 0
     try:
-        refusal = _refusal(agent, req)
+        refusal = _refusal(state, req)
         if refusal is None:
-            refusal = agent.reserve(req.nbytes)
+            refusal = state.reserve(req.nbytes)
             reserved = 0 if refusal else req.nbytes
         if refusal == "held":
             reply = {"op": "held"}
         elif refusal:
             reply = {"op": "error", "message": refusal}
         else:
-            refresh_protected(agent)  # this step stays in this node's own memory before its bytes come
-            reply = _stage_and_commit(agent, req, conn)
+            refresh_protected(state)  # this step stays in this node's own memory before its bytes come
+            reply = _stage_and_commit(state, req, conn)
     finally:
-        agent.release(reserved)
-        agent.end_put(key)
+        state.release(reserved)
+        state.end_put(key)
+        refresh_protected(state)  # the protected steps follow the replicas now held
     conn.send(reply)  # once the claim is released: the sender may put again at once
 
 
-def _refusal(agent: Agent, req: p.Put) -> str | None:
+def _refusal(state: NodeState, req: p.Put) -> str | None:
     """Why this put cannot go ahead ("held": the same save is here already), or None."""
-    store = agent.store
+    store = state.store
     name = layout.step_dir_name(req.step)
     where = f"{req.namespace}/{name} from {req.origin}"
-    if agent.restoring():  # the link's bandwidth goes to the restore first (agent.prefetch)
+    if state.restoring():  # the link's bandwidth goes to the restore first (agent.prefetch)
         return f"{where}: this node is restoring its state from peers; the next round sends it"
     if not os.path.lexists(store.root.joinpath(*store.parts("replica", req.origin, req.namespace), name)):
         return None
@@ -97,23 +98,23 @@ def _refusal(agent: Agent, req: p.Put) -> str | None:
     return "held" if mf.save_id == req.save_id else None
 
 
-def _stage_and_commit(agent: Agent, req: p.Put, conn: Connection) -> dict[str, str]:
+def _stage_and_commit(state: NodeState, req: p.Put, conn: Connection) -> dict[str, str]:
     """This connection's own staging directory (a link on the way: ``error`` before ``ready``), the
     bytes, the checks, the commit; the staging directory is gone afterwards whatever happened."""
-    parts = agent.store.parts("replica", req.origin, req.namespace)
+    parts = state.store.parts("replica", req.origin, req.namespace)
     staging = f"{layout.staging_dir_name(req.step, req.save_id)}.{uuid.uuid4().hex[:12]}"
     t0 = time.perf_counter()
     ready = False  # after ``ready`` the peer is sending: an OSError then ends the connection
     try:
-        with safefs.open_dir(agent.store.root, [*parts, layout.STAGING], create=True) as stage_root:
+        with safefs.open_dir(state.store.root, [*parts, layout.STAGING], create=True) as stage_root:
             os.mkdir(staging, 0o700, dir_fd=stage_root)
             try:
-                with safefs.open_dir(agent.store.root, [*parts, layout.STAGING, staging]) as sfd:
+                with safefs.open_dir(state.store.root, [*parts, layout.STAGING, staging]) as sfd:
                     _touch(sfd, f".owner-{_HOST}-{os.getpid()}")
                     ready = True
                     conn.send({"op": "ready"})
-                    conn.set_deadline(agent.config.limits.bulk_s(req.nbytes))
-                    problem = _receive_files(req, conn, sfd) or _commit(agent, req, stage_root, staging, sfd)
+                    conn.set_deadline(state.config.limits.bulk_s(req.nbytes))
+                    problem = _receive_files(req, conn, sfd) or _commit(state, req, stage_root, staging, sfd)
             finally:
                 safefs.remove_entry(stage_root, staging)  # gone after a commit: nothing to do
     except OSError as exc:
@@ -123,8 +124,8 @@ def _stage_and_commit(agent: Agent, req: p.Put, conn: Connection) -> dict[str, s
                                           f"{req.origin}: {_describe(exc)}"}
     if problem is not None:
         return {"op": "error", "message": problem}
-    _drop_unkept(agent, req)
-    _log.info("[Agent %s] Step %d: stored a replica of %s from %s in %s", agent.node_id, req.step,
+    _drop_unkept(state, req)
+    _log.info("[Agent %s] Step %d: stored a replica of %s from %s in %s", state.node_id, req.step,
               req.namespace, req.origin, throughput(req.nbytes, time.perf_counter() - t0))
     return {"op": "stored"}
 
@@ -203,12 +204,12 @@ def _verify_afterwards(req: p.Put, manifest: layout.Manifest, sfd: int, unchecke
                     f"{where}/{name}")
 
 
-def _commit(agent: Agent, req: p.Put, stage_root: int, staging: str, sfd: int) -> str | None:
+def _commit(state: NodeState, req: p.Put, stage_root: int, staging: str, sfd: int) -> str | None:
     """Evict for the bytes now here, record the owner, one rename; an error message or None."""
-    store = agent.store
+    store = state.store
     name = layout.step_dir_name(req.step)
     try:
-        agent.settle()
+        state.settle()
         store.set_owner(req.origin, req.namespace, req.step, req.owner)
         os.unlink(f".owner-{_HOST}-{os.getpid()}", dir_fd=sfd)  # a committed step holds the step's files only
         with safefs.open_dir(store.root, store.parts("replica", req.origin, req.namespace)) as nfd:
@@ -220,9 +221,9 @@ def _commit(agent: Agent, req: p.Put, stage_root: int, staging: str, sfd: int) -
     return None
 
 
-def _drop_unkept(agent: Agent, req: p.Put) -> None:
+def _drop_unkept(state: NodeState, req: p.Put) -> None:
     """Steps of this origin the sender no longer keeps: deleted, if this sender owns them."""
-    store = agent.store
+    store = state.store
     mine = owner_hash(req.owner)
     for s in store.replica(req.origin, req.namespace).list_steps():
         if s.step != req.step and s.step not in req.keep and store.owner_of(req.origin, req.namespace, s.step) == mine:

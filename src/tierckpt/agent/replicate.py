@@ -6,7 +6,7 @@ every target that lacks the newest step and has none in flight, then waits at mo
 ``wait_s`` for them (a send that takes longer goes on in its thread; the next round skips
 that target until it ends). Each send pins its data files (hard links: the trainer cannot
 reuse the slots meanwhile), connects, puts with a deadline proportional to its bytes, and
-records the target in ``Agent.replicated`` when the peer stored it (or held it already).
+records the target in ``NodeState.replicated`` when the peer stored it (or held it already).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from tierckpt.observability import get_logger, throughput
 from tierckpt.tiers.local import LocalTier
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
 __all__ = ["Replicator"]
 
@@ -35,13 +35,13 @@ _log = get_logger("agent")
 class Replicator:
     """Replication sends of one agent; ``round`` is called from the agent's loop (or ``tick``)."""
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
         self._inflight: dict[tuple[str, str], threading.Thread] = {}
         self._lock = threading.Lock()
 
     def round(self, wait_s: float) -> None:
-        for ns in self.agent.store.namespaces():
+        for ns in self.state.store.namespaces():
             self._start(ns)
         with self._lock:
             running = list(self._inflight.values())
@@ -59,8 +59,8 @@ class Replicator:
             return sum(t.is_alive() for t in self._inflight.values())
 
     def _start(self, ns: str) -> list[threading.Thread]:
-        agent = self.agent
-        tier = agent.store.own(ns)
+        state = self.state
+        tier = state.store.own(ns)
         steps = tier.list_steps()
         if not steps:
             return []
@@ -70,11 +70,9 @@ class Replicator:
                                           tier.read_file(newest.step, layout.MANIFEST), where=tier.location(newest.step))
         except TierckptError:
             return []  # deleted meanwhile, or damaged: nothing to offer
-        with agent._lock:
-            done = agent.replicated.get(ns)
-        have = done[2] if done and done[:2] == (newest.step, save_id) else frozenset()
+        have = state.replicated_to(ns, newest.step, save_id)
         out = []
-        for node, addr in agent.targets():
+        for node, addr in state.targets():
             with self._lock:
                 running = self._inflight.get((ns, node))
                 if node in have or (running is not None and running.is_alive()):
@@ -87,8 +85,8 @@ class Replicator:
         return out
 
     def _send(self, ns: str, step: int, save_id: str, keep: list[int], node: str, addr: tuple[str, int]) -> None:
-        agent = self.agent
-        tier = agent.store.own(ns)
+        state = self.state
+        tier = state.store.own(ns)
         try:
             names = sorted(n for n in _files(tier, step) if n.endswith(".distcp"))
             small: list[tuple[str, Path | bytes]] = [(n, tier.read_file(step, n))
@@ -107,11 +105,8 @@ class Replicator:
                 return
             files = small + [(n, pin) for n, pin in pins if pin is not None]
             if self._put(ns, step, save_id, files, keep, node, addr):
-                with agent._lock:
-                    done = agent.replicated.get(ns)
-                    have = done[2] if done and done[:2] == (step, save_id) else frozenset()
-                    agent.replicated[ns] = (step, save_id, have | {node})
-                refresh_protected(agent)  # this step now stays in this node's memory (agent.protect)
+                state.record_replicated(ns, step, save_id, node)
+                refresh_protected(state)  # this step now stays in this node's memory (agent.protect)
         finally:
             for _, pin in pins:
                 if pin is not None:
@@ -119,26 +114,26 @@ class Replicator:
 
     def _put(self, ns: str, step: int, save_id: str, files: list[tuple[str, Path | bytes]], keep: list[int],
              node: str, addr: tuple[str, int]) -> bool:
-        agent = self.agent
+        state = self.state
         nbytes = sum(src.stat().st_size if isinstance(src, Path) else len(src) for _, src in files)
         t0 = time.perf_counter()
         try:
-            client = agent.connect(addr, timeout=agent.config.limits.handshake_s)
+            client = state.connect(addr, timeout=state.config.limits.handshake_s)
             try:
-                client.set_deadline(agent.config.limits.bulk_s(nbytes))
-                client.put(ns, agent.node_id, step, save_id, files, keep, agent.owner_token)
+                client.set_deadline(state.config.limits.bulk_s(nbytes))
+                client.put(ns, state.node_id, step, save_id, files, keep, state.owner_token)
             finally:
                 client.close()
         except (PeerError, p.ProtocolViolation, OSError) as exc:
-            _log.warning("[Agent %s] Step %d: replication of %s to %s failed: %s", agent.node_id, step, ns, node, exc)
-            agent.metrics.replication_failures.inc()
+            _log.warning("[Agent %s] Step %d: replication of %s to %s failed: %s", state.node_id, step, ns, node, exc)
+            state.metrics.replication_failures.inc()
             return False
         dt = time.perf_counter() - t0
-        agent.metrics.replicated_bytes.inc(nbytes)
-        agent.metrics.replication_seconds.set(dt)
-        agent.metrics.replication_throughput.set(nbytes / dt if dt > 0 else 0.0)
-        agent.last_replication = {"step": step, "namespace": ns, "to": node, "bytes": nbytes, "seconds": round(dt, 4)}
-        _log.info("[Agent %s] Step %d: replicated %s to %s in %s", agent.node_id, step, ns, node, throughput(nbytes, dt))
+        state.metrics.replicated_bytes.inc(nbytes)
+        state.metrics.replication_seconds.set(dt)
+        state.metrics.replication_throughput.set(nbytes / dt if dt > 0 else 0.0)
+        state.last_replication = {"step": step, "namespace": ns, "to": node, "bytes": nbytes, "seconds": round(dt, 4)}
+        _log.info("[Agent %s] Step %d: replicated %s to %s in %s", state.node_id, step, ns, node, throughput(nbytes, dt))
         return True
 
 

@@ -1,7 +1,7 @@
 """Answering a peer's ``list`` and ``get``: streamed listings, files verified before they go out.
 
-Call order (in a peer connection's thread, after ``parse_request``): ``serve_list(agent, req, conn)``
-or ``serve_get(agent, req, conn)``. A ``get`` opens the file without following any link,
+Call order (in a peer connection's thread, after ``parse_request``): ``serve_list(state, req, conn)``
+or ``serve_get(state, req, conn)``. A ``get`` opens the file without following any link,
 checks the step's seal (and ``.metadata``'s checksum) before answering, then checks each
 item of a data file as its bytes are mapped for sending: a copy that fails is refused (in
 the middle of a file: the bad segment is replaced by an integrity error, ``wire.abort_bulk``),
@@ -28,7 +28,7 @@ from tierckpt.errors import IntegrityError
 from tierckpt.observability import get_logger
 
 if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
+    from tierckpt.agent.state import NodeState
 
 __all__ = ["listing_frames", "serve_get", "serve_list"]
 
@@ -56,9 +56,9 @@ def listing_frames(entries: list[dict[str, Any]], per_frame: int = p.MAX_LIST_NA
     yield {"op": "listing", "steps": frame, "more": False}
 
 
-def serve_list(agent: Agent, req: p.ListSteps, conn: Connection) -> None:
+def serve_list(state: NodeState, req: p.ListSteps, conn: Connection) -> None:
     entries = []
-    for h in agent.store.holdings(req.namespace):
+    for h in state.store.holdings(req.namespace):
         held = {n: s for n, s in h.held.items() if _valid_name(n)}
         entries.append({"step": h.step, "origin": h.origin, "save_id": h.save_id, "held": held,
                         "all": list(h.all_files)})
@@ -74,8 +74,8 @@ def _valid_name(name: str) -> bool:
     return True
 
 
-def serve_get(agent: Agent, req: p.Get, conn: Connection) -> None:
-    store = agent.store
+def serve_get(state: NodeState, req: p.Get, conn: Connection) -> None:
+    store = state.store
     kind = store.kind_of(req.origin)
     where = f"{req.namespace}/step_{req.step}/{req.name}" + ("" if kind == "own" else f" (replica of {req.origin})")
     try:
@@ -83,22 +83,22 @@ def serve_get(agent: Agent, req: p.Get, conn: Connection) -> None:
                                           layout.step_dir_name(req.step)]) as sfd:
             mf, _ = store.sealed(kind, req.origin, req.namespace, req.step)
             fd = safefs.open_file(sfd, req.name)
-            pin = _pin(agent, req, sfd) if kind == "own" and req.name not in p.SMALL_FILES else None
+            pin = _pin(state, req, sfd) if kind == "own" and req.name not in p.SMALL_FILES else None
     except IntegrityError as exc:
-        _refuse_bad(agent, req, kind, conn, f"{where}: {exc}")
+        _refuse_bad(state, req, kind, conn, f"{where}: {exc}")
         return
     except OSError:
         conn.send({"op": "error", "message": f"{where} is not held here"})
         return
     try:
-        _send_checked(agent, req, kind, conn, fd, mf, where)
+        _send_checked(state, req, kind, conn, fd, mf, where)
     finally:
         os.close(fd)
         if pin is not None:
-            _unpin(agent, req, pin)
+            _unpin(state, req, pin)
 
 
-def _send_checked(agent: Agent, req: p.Get, kind: str, conn: Connection, fd: int, mf: layout.Manifest,
+def _send_checked(state: NodeState, req: p.Get, kind: str, conn: Connection, fd: int, mf: layout.Manifest,
                   where: str) -> None:
     size = os.fstat(fd).st_size
     length = size - req.offset if req.length is None else req.length
@@ -108,27 +108,27 @@ def _send_checked(agent: Agent, req: p.Get, kind: str, conn: Connection, fd: int
     if req.name in p.SMALL_FILES:
         data = os.pread(fd, size, 0) if size else b""
         if req.name == layout.METADATA and layout.checksum(data) != mf.metadata_xxh3:
-            _refuse_bad(agent, req, kind, conn, f"{where}: fails its checksum")
+            _refuse_bad(state, req, kind, conn, f"{where}: fails its checksum")
             return
         conn.send({"op": "file", "size": length})
         conn.send_bytes(data[req.offset : req.offset + length])
         return
     if mf.files.get(req.name) != size:
-        _refuse_bad(agent, req, kind, conn, f"{where}: {size} bytes, the manifest says {mf.files.get(req.name)}")
+        _refuse_bad(state, req, kind, conn, f"{where}: {size} bytes, the manifest says {mf.files.get(req.name)}")
         return
     check = _range_check(mf, req.name, size, req.offset, length, where)
     if check is None:  # overlapping items cannot be checked in stream order: check the whole file first
         try:
             verify_file(_fd_path(fd), [r for r in mf.items if r.file == req.name], where)
         except IntegrityError as exc:
-            _refuse_bad(agent, req, kind, conn, str(exc))
+            _refuse_bad(state, req, kind, conn, str(exc))
             return
-    conn.set_deadline(agent.config.limits.bulk_s(length))
+    conn.set_deadline(state.config.limits.bulk_s(length))
     conn.send({"op": "file", "size": length})
     try:
         conn.send_fd(fd, req.offset, length, check)
     except IntegrityError as exc:  # the requester was told instead of the bad segment (wire.abort_bulk)
-        _quarantine(agent, req, kind, str(exc))
+        _quarantine(state, req, kind, str(exc))
 
 
 def _range_check(mf: layout.Manifest, name: str, size: int, offset: int, length: int, where: str
@@ -140,35 +140,35 @@ def _range_check(mf: layout.Manifest, name: str, size: int, offset: int, length:
     return StreamCheck(inside, where, start=offset)
 
 
-def _refuse_bad(agent: Agent, req: p.Get, kind: str, conn: Connection, reason: str) -> None:
-    _quarantine(agent, req, kind, reason)
+def _refuse_bad(state: NodeState, req: p.Get, kind: str, conn: Connection, reason: str) -> None:
+    _quarantine(state, req, kind, reason)
     conn.send({"op": "error", "message": f"refused: {reason}"})
 
 
-def _quarantine(agent: Agent, req: p.Get, kind: str, reason: str) -> None:
-    agent.metrics.replicas_rejected.inc()
+def _quarantine(state: NodeState, req: p.Get, kind: str, reason: str) -> None:
+    state.metrics.replicas_rejected.inc()
     if kind == "replica":
-        agent.store.quarantine(req.origin, req.namespace, req.step)
-        _log.warning("[Agent %s] Step %d: quarantined the replica of %s from %s: %s", agent.node_id, req.step,
+        state.store.quarantine(req.origin, req.namespace, req.step)
+        _log.warning("[Agent %s] Step %d: quarantined the replica of %s from %s: %s", state.node_id, req.step,
                      req.namespace, req.origin, reason)
     else:
-        _log.warning("[Agent %s] Step %d: refused to serve a damaged own copy: %s", agent.node_id, req.step, reason)
+        _log.warning("[Agent %s] Step %d: refused to serve a damaged own copy: %s", state.node_id, req.step, reason)
 
 
-def _pin(agent: Agent, req: p.Get, sfd: int) -> str | None:
+def _pin(state: NodeState, req: p.Get, sfd: int) -> str | None:
     """A hard link of the data file in ``.pins`` (the trainer's slot stays busy while it is sent)."""
     pin = f"{layout.step_dir_name(req.step)}.{req.name}.owner-{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:6]}"
     try:
-        with safefs.open_dir(agent.store.root, [req.namespace, layout.PINS], create=True) as pfd:
+        with safefs.open_dir(state.store.root, [req.namespace, layout.PINS], create=True) as pfd:
             os.link(req.name, pin, src_dir_fd=sfd, dst_dir_fd=pfd, follow_symlinks=False)
     except OSError:
         return None
     return pin
 
 
-def _unpin(agent: Agent, req: p.Get, pin: str) -> None:
+def _unpin(state: NodeState, req: p.Get, pin: str) -> None:
     try:
-        with safefs.open_dir(agent.store.root, [req.namespace, layout.PINS]) as pfd:
+        with safefs.open_dir(state.store.root, [req.namespace, layout.PINS]) as pfd:
             os.unlink(pin, dir_fd=pfd)
     except OSError:
         pass

@@ -10,6 +10,11 @@ frame, a path-like name, an oversize length, a deadline) is counted, answered wi
 ``error`` frame where the stream still allows one, and closes that connection only. The accept loop outlives a failed ``accept`` (EMFILE at the descriptor limit) or a
 thread that cannot start: it logs once, backs off briefly and goes on. A local connection
 carries one JSON line and gets one JSON line back.
+
+The servers know nothing of what a request means: ``service.Agent`` hands them ``handle_peer``
+(a parsed request, the connection, the authenticated peer's node id), ``handle_local`` (a
+request object → the reply object, or None for no reply) and ``rejected`` (one connection
+closed for breaking the protocol: counted).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from tierckpt.agent import protocol as p
 from tierckpt.agent.tls import ServerTLS
@@ -34,24 +40,43 @@ from tierckpt.agent.wire import Connection
 from tierckpt.node.sock import short_path
 from tierckpt.observability import get_logger
 
-if TYPE_CHECKING:
-    from tierckpt.agent.service import Agent
-
-__all__ = ["LocalServer", "PeerServer"]
+__all__ = ["LocalHandler", "LocalServer", "PeerHandler", "PeerLimits", "PeerServer"]
 
 MAX_LOCAL_LINE = 1 << 16
 ACCEPT_BACKOFF_S = 0.1
 _log = get_logger("agent")
 
+PeerHandler = Callable[[p.Request, Connection, str], None]
+LocalHandler = Callable[[dict[str, Any]], dict[str, Any] | None]
+
+
+class PeerLimits(Protocol):
+    """The bounds a peer listener keeps (``AgentLimits`` has them)."""
+
+    @property
+    def max_connections(self) -> int: ...
+    @property
+    def max_per_address(self) -> int: ...
+    @property
+    def handshake_s(self) -> float: ...
+    @property
+    def idle_s(self) -> float: ...
+    @property
+    def request_s(self) -> float: ...
+
 
 class PeerServer:
     """Accepts peers on ``address``; ``close()`` stops accepting and ends live connections."""
 
-    def __init__(self, agent: Agent, host: str, port: int) -> None:
-        self.agent = agent
-        self.limits = agent.config.limits
-        self.wire = "insecure" if agent.config.insecure_wire else "tls13"
-        self.tls = None if agent.config.insecure_wire else ServerTLS.create()
+    def __init__(self, host: str, port: int, *, node_id: str, secret: bytes, limits: PeerLimits, insecure_wire: bool,
+                 handle_peer: PeerHandler, rejected: Callable[[], None]) -> None:
+        self.node_id = node_id
+        self.secret = secret
+        self.handle_peer = handle_peer
+        self.rejected = rejected
+        self.limits = limits
+        self.wire = "insecure" if insecure_wire else "tls13"
+        self.tls = None if insecure_wire else ServerTLS.create()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,7 +115,7 @@ class PeerServer:
         if key not in self._logged:
             self._logged.add(key)
             _log.error("[Agent %s] %s (logged once; the listener backs off %.1fs and keeps accepting)",
-                       self.agent.node_id, message, ACCEPT_BACKOFF_S)
+                       self.node_id, message, ACCEPT_BACKOFF_S)
         if code in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, 0):
             time.sleep(ACCEPT_BACKOFF_S)  # the condition lasts a while: do not spin on it
 
@@ -98,7 +123,7 @@ class PeerServer:
         with self._lock:
             full = len(self._conns) >= self.limits.max_connections
             if full or self._per_address[host] >= self.limits.max_per_address:
-                self.agent.metrics.rejected.inc()
+                self.rejected()
                 sock.close()
                 return
             self._conns[sock] = host
@@ -145,19 +170,19 @@ class PeerServer:
                     if "after 0 of" in str(exc):
                         return  # the peer closed between requests
                     raise
-                self.agent.handle_peer(p.parse_request(body), conn, peer)
+                self.handle_peer(p.parse_request(body), conn, peer)
         except (p.ProtocolViolation, TimeoutError, ssl.SSLError) as exc:
-            self.agent.metrics.rejected.inc()
+            self.rejected()
             message = (str(exc) if isinstance(exc, p.ProtocolViolation) else f"TLS failed: {exc}"
                        if isinstance(exc, ssl.SSLError) else f"ran past its deadline ({exc})")
-            _log.warning("[Agent %s] closed a peer connection: %s", self.agent.node_id, message)
+            _log.warning("[Agent %s] closed a peer connection: %s", self.node_id, message)
             try:
                 conn.set_deadline(1.0)
                 conn.send({"op": "error", "message": message[:500]})
             except (OSError, p.ProtocolViolation):
                 pass
         except OSError as exc:
-            _log.info("[Agent %s] peer connection ended: %s", self.agent.node_id, exc)
+            _log.info("[Agent %s] peer connection ended: %s", self.node_id, exc)
         finally:
             with self._lock:
                 self._live.pop(sock, None)
@@ -166,7 +191,7 @@ class PeerServer:
 
     def _handshake(self, conn: Connection) -> str:
         nonce = secrets.token_hex(32)
-        me = self.agent.node_id
+        me = self.node_id
         conn.send({"op": "hello", "node": me, "nonce": nonce, "wire": self.wire})
         end_point = b""
         if self.tls is not None:
@@ -177,7 +202,7 @@ class PeerServer:
             raise p.ProtocolViolation("expected auth")
         peer = p.validate_node_id(auth.get("node"))
         ids = (nonce, p.validate_nonce(auth.get("nonce")), me, peer, p.channel_binding(self.wire, end_point))
-        key = self.agent.secret
+        key = self.secret
         conn.send({"op": "welcome", "node": me, "mac": p.server_mac(key, *ids)})
         proof = conn.recv()
         if proof.get("op") != "proof":
@@ -202,7 +227,7 @@ class _LocalHandler(socketserver.StreamRequestHandler):
     server: _LocalUnixServer
 
     def handle(self) -> None:
-        self.request.settimeout(self.server.agent.config.limits.local_idle_s)  # a silent client is closed
+        self.request.settimeout(self.server.idle_s)  # a silent client is closed
         try:
             line = self.rfile.readline(MAX_LOCAL_LINE + 1)
         except OSError:
@@ -216,7 +241,7 @@ class _LocalHandler(socketserver.StreamRequestHandler):
             request = json.loads(line)
             if not isinstance(request, dict):
                 raise ValueError("not an object")
-            reply = self.server.agent.handle_local(request)
+            reply = self.server.handle_local(request)
         except (ValueError, RecursionError, p.ProtocolViolation) as exc:
             reply = {"ok": False, "kind": "request", "error": str(exc)[:500]}
         if reply is None:
@@ -229,7 +254,8 @@ class _LocalHandler(socketserver.StreamRequestHandler):
 
 class _LocalUnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
-    agent: Agent
+    handle_local: LocalHandler
+    idle_s: float
 
     def server_bind(self) -> None:
         """Bind inside a fresh 0700 directory, make the socket 0600, then rename it into place:
@@ -250,7 +276,7 @@ class _LocalUnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServe
 class LocalServer:
     """``<memory root>/.agent.sock``: commit notices and load-time requests from this node."""
 
-    def __init__(self, agent: Agent, path: Path) -> None:
+    def __init__(self, path: Path, *, handle_local: LocalHandler, idle_s: float) -> None:
         self.path = path
         if path.exists():
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -264,7 +290,8 @@ class LocalServer:
                 probe.close()
         path.parent.mkdir(parents=True, exist_ok=True)
         self.server = _LocalUnixServer(str(path), _LocalHandler)
-        self.server.agent = agent
+        self.server.handle_local = handle_local
+        self.server.idle_s = idle_s
         self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="tierckpt-agent-local", daemon=True)
         self._thread.start()
@@ -278,7 +305,3 @@ class LocalServer:
         except OSError:
             pass
         self._thread.join(timeout=5)
-
-
-def reply_error(message: str, kind: str = "storage") -> dict[str, Any]:
-    return {"ok": False, "kind": kind, "error": message}
