@@ -124,3 +124,19 @@ def test_the_same_evidence_gives_the_same_answer() -> None:
     ev = [rec(Kind.STALL, "Hang", rank=3), rec(Kind.EXITED, rank=2, symptom=RESET), rec(Kind.NON_FINITE, "NonFiniteLoss")]
     p = Poll(node=0, now=42.0, quiet={1: 0.4})
     assert diagnose(ev, p) == diagnose(list(reversed(ev)), p)
+
+
+def test_a_failed_collective_gives_a_slow_peer_agent_longer_than_a_collective_wait() -> None:
+    """A crash symptom names a silent peer only after CRASH_SUSPECT_S (its agent may be stopped or
+    starved, about to claim its own worker's crash); a rank idle in a collective after SUSPECT_S."""
+    from tierckpt.launcher.decide.diagnose import CRASH_SUSPECT_S
+
+    crash = rec(Kind.EXITED, rank=0, symptom=RESET)
+    held = diagnose([crash], Poll(node=0, now=50.0, quiet={1: CRASH_SUSPECT_S - 0.1}))
+    assert held.cause is None and held.held_since == 50.0
+    lost = diagnose([crash], Poll(node=0, now=50.5, quiet={1: CRASH_SUSPECT_S}, held_since=50.0)).cause
+    assert lost is not None and (lost.kind, lost.node) == (Kind.LOST_NODE, 1)
+    wait = rec(Kind.COLLECTIVE_WAIT, "Hang", symptom="waits in a collective")
+    both = diagnose([crash, wait], Poll(node=0, now=50.0, quiet={1: SUSPECT_S}))
+    assert both.cause is not None and both.cause.kind is Kind.LOST_NODE
+    assert SUSPECT_S < CRASH_SUSPECT_S < SETTLE_S  # a lost machine is still named within the window

@@ -12,10 +12,11 @@ the liveness watcher counts lost, and how long each quiet one has been silent). 
    output says "Connection reset by peer", ``symptom.py``) or a rank idle in a collective
    (waitsample.LIB) waits for a peer that is not in it. When another node's agent is silent for
    ``suspect_s`` (``Poll.quiet``; 1.5 s, three liveness intervals, against ``--node-timeout`` of
-   10 s) or counted lost, that node is the cause: ``LostNode`` naming it, long before the liveness
+   10 s; ``crash_suspect_s``, 2.5 s, when the only symptoms are failed collectives, whose peer's
+   agent may only be slow to claim its own crash) or counted lost, that node is the cause: ``LostNode`` naming it, long before the liveness
    verdict alone would say so. A symptom never blames the node that observed it while a peer is silent.
 3. **A settle window, bounded.** A failed collective with no cause in sight is held for ``settle_s``
-   (3 s, ``symptom.SETTLE_S``) from the first time it was seen: the failing node's own claim arrives
+   (3 s, ``SETTLE_S``) from the first time it was seen: the failing node's own claim arrives
    in milliseconds and the agent follows it instead. Past the window the symptom is claimed itself
    (``Diagnosis.settle_s`` says how long it waited). A rank idle in a collective past the idle limit
    (the hang rules already waited) is claimed without a window: every rank waits, a deadlock; one
@@ -40,13 +41,16 @@ from dataclasses import dataclass, field, replace
 
 from tierckpt.launcher.decide.faults import FaultRecord, Kind, Reason
 
-__all__ = ["SETTLE_S", "SUSPECT_S", "Diagnosis", "Poll", "diagnose", "odd_ones"]
+__all__ = ["CRASH_SUSPECT_S", "SETTLE_S", "SUSPECT_S", "Diagnosis", "Poll", "diagnose", "odd_ones"]
 
 #: how long a failed collective waits for the claim of its cause (the window bounds what a symptom
 #: without a cause adds to recovery; a peer's crash is claimed in milliseconds)
 SETTLE_S = 3.0
 #: a peer agent silent this long is the cause of a local symptom (3 liveness intervals of 0.5 s)
 SUSPECT_S = 1.5
+#: ... of a failed collective (a crash), whose peer may only be slow to claim its own crash: within
+#: the settle window, so a lost machine is still named before the window ends
+CRASH_SUSPECT_S = 2.5
 
 _FIRST = (Kind.DEADLINE, Kind.LOST_STORE, Kind.LOST_NODE)  # outrank any symptom: nothing to wait for
 
@@ -65,6 +69,7 @@ class Poll:
     held_since: float | None = None
     settle_s: float = SETTLE_S
     suspect_s: float = SUSPECT_S
+    crash_suspect_s: float = CRASH_SUSPECT_S
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,11 @@ def diagnose(evidence: Sequence[FaultRecord], poll: Poll) -> Diagnosis:
     if causes and causes[0].kind in _FIRST:
         return Diagnosis(causes[0], f"{causes[0].kind}: outranks every other record", records)
     symptoms = sorted((r for r in records if r.symptom is not None or r.kind is Kind.COLLECTIVE_WAIT), key=_order)
-    gone = _gone(poll)
+    # a failed collective (a crash) allows a peer's agent a longer silence than a rank idle in a
+    # collective does: a machine that is gone is as silent either way, an agent that is only slow
+    # (stopped, starved) gets the time to claim its own worker's crash
+    crashes_only = all(r.kind in (Kind.EXITED, Kind.KILLED) for r in symptoms)
+    gone = _gone(poll, poll.crash_suspect_s if crashes_only else poll.suspect_s)
     if symptoms and gone:
         return Diagnosis(_lost_node(symptoms[0], gone, poll), f"a symptom on node {poll.node} and node(s) "
                          f"{sorted(gone)} silent: the silent node is the cause", records)
@@ -121,9 +130,9 @@ def diagnose(evidence: Sequence[FaultRecord], poll: Poll) -> Diagnosis:
                      records, held_since=since, settle_s=round(waited, 3))
 
 
-def _gone(poll: Poll) -> dict[int, float]:
+def _gone(poll: Poll, suspect_s: float) -> dict[int, float]:
     """Other nodes counted lost (silence: infinite) or silent for ``suspect_s``, by silence."""
-    out = {n: s for n, s in poll.quiet.items() if n != poll.node and s >= poll.suspect_s}
+    out = {n: s for n, s in poll.quiet.items() if n != poll.node and s >= suspect_s}
     out.update({n: float("inf") for n in poll.lost if n != poll.node})
     return out
 

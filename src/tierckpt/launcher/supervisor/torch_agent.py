@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -274,9 +275,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _master_for(self, generation: int) -> tuple[str, int]:
         if self.node == 0:
             addr = self._local_host()
-            with socket.socket() as s:
-                s.bind(("", 0))
-                port = int(s.getsockname()[1])
+            port = free_master_port()
             self.ctl.publish_master(generation, addr, port)
             return addr, port
         return self.ctl.master(generation, timeout=max(60.0, self.opts.node_timeout_s))
@@ -862,3 +861,28 @@ def _remove_dead_beat_dirs(parent: str) -> None:
             pid = entry.name[len(_BEAT_PREFIX):].split("-", 1)[0] if entry.name.startswith(_BEAT_PREFIX) else ""
             if pid.isdigit() and not pid_alive(int(pid)):
                 shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def free_master_port(tries: int = 64) -> int:
+    """A port for the workers' master store that nothing binds now, chosen outside the kernel's
+    ephemeral range: between this check and the workers' bind, any outgoing connection on the
+    machine may take an ephemeral port (seen as EADDRINUSE in a worker's init_process_group when
+    many jobs ran side by side); no connection takes one below the range. Falls back to a port the
+    kernel picks when the range leaves no room or every try is taken."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(tries if low > 12000 else 0):
+        port = rng.randrange(10000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
