@@ -49,3 +49,19 @@ def test_every_node_plans_the_same_membership_move_from_the_same_inputs() -> Non
     assert {me: p.step for me, p in plans.items()} == {0: Step.RERENDEZVOUS, 1: Step.RERENDEZVOUS,
                                                        2: Step.STAND_ASIDE, 3: Step.RERENDEZVOUS}
     assert {p.kept_out for p in plans.values()} == {1}
+
+
+def test_the_master_port_is_free_and_below_the_ephemeral_range() -> None:
+    """The workers' master store port: bindable now, and no outgoing connection can take it before
+    rank 0 binds it (the kernel assigns those from ip_local_port_range)."""
+    import socket
+
+    from tierckpt.launcher.supervisor.torch_agent import free_master_port
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    ports = {free_master_port() for _ in range(5)}
+    assert all(10000 <= p < low for p in ports), (ports, low)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("", p))
