@@ -56,9 +56,9 @@ _TIERCKPT = os.sep + "tierckpt" + os.sep
 _NOT_SAVE = tuple(_TIERCKPT + f for f in ("monitor.py", "waitsample.py"))
 # the standard library's own frames (threading's Condition.wait, queue, selectors, socket) are
 # transparent: the frame that called them says whose wait it is
-_STDLIB = tuple({os.path.realpath(p) + os.sep for k in ("stdlib", "platstdlib")
-                 if (p := sysconfig.get_paths().get(k))} | {p + os.sep for k in ("stdlib", "platstdlib")
-                                                            if (p := sysconfig.get_paths().get(k))})
+_PATHS = sysconfig.get_paths()
+_STDLIB = tuple({form + os.sep for k in ("stdlib", "platstdlib") if (p := _PATHS.get(k))
+                 for form in (p, os.path.realpath(p))})  # a venv names it through its own prefix too
 
 _started: tuple[int, str] | None = None  # (pid, path) of the running sampler
 

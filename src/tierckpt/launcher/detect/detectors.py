@@ -140,12 +140,13 @@ class Detectors:
                                peer_user_wait=USER_WAIT in others, peer_lib_wait=LIB_WAIT in others,
                                peer_save_wait=SAVE_WAIT in others)
             since = tr.last_change or tr.start
+            if problem is None and code != LIB_WAIT:
+                continue  # the common case: nothing to record, no idle stretch to measure again
             idle = round(tr.evidence.idle_for(), 3) if tr.evidence.known else None
-            if problem is None:
-                if code == LIB_WAIT:  # evidence only: the early sign of a peer that is not in the collective
-                    out.append(FaultRecord(kind=Kind.COLLECTIVE_WAIT, reason="Hang", rank=rank, since=since,
-                                           step=tr.step, detail=f"idle in a collective for {idle}s",
-                                           symptom="waits in a collective", evidence={"idle_s": idle}))
+            if problem is None:  # evidence only: the early sign of a peer that is not in the collective
+                out.append(FaultRecord(kind=Kind.COLLECTIVE_WAIT, reason="Hang", rank=rank, since=since,
+                                       step=tr.step, detail=f"idle in a collective for {idle}s",
+                                       symptom="waits in a collective", evidence={"idle_s": idle}))
                 continue
             kind = Kind.NON_FINITE if problem[0] == NON_FINITE_LOSS else Kind.STOPPED if tr.stopped() else Kind.STALL
             detail, symptom = problem[1], None
