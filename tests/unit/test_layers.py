@@ -125,14 +125,10 @@ DEBTS: dict[tuple[str, str], str] = {
         "local_request stays in tiers/peer.py while launcher/agent.py imports it there (node/sock.py takes it after step 4)",
     ("tierckpt.launcher.decide.offenders", "tierckpt.launcher.membership.change"):
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
-    ("tierckpt.launcher.workers.launch", "tierckpt.launcher.options"):
-        "the workers' environment is built from RunOptions until launch.py takes values (step 6, Workers)",
     ("tierckpt.launcher.membership.ranks", "tierckpt.launcher.supervisor.runstate"):
         "STATE_DIR is named in supervisor/runstate.py until layout.py names the launcher's state dir (§3.1)",
     ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.options"):
         "the agent's membership path, moved out of torch_agent.py as is, reads RunOptions until Rounds (step 6)",
-    ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.workers.warm"):
-        "the spare gate asks the agent's StandbyPool whether its standbys are ready, until Rounds (step 6)",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }
 

@@ -56,7 +56,7 @@ def test_the_master_port_is_free_and_below_the_ephemeral_range() -> None:
     rank 0 binds it (the kernel assigns those from ip_local_port_range)."""
     import socket
 
-    from tierckpt.launcher.supervisor.torch_agent import free_master_port
+    from tierckpt.launcher.workers.runner import free_master_port
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         low = int(f.read().split()[0])

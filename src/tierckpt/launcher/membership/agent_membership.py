@@ -40,7 +40,6 @@ from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE, Change, shrin
 from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat
 from tierckpt.launcher.membership.spares import JobEnded, SpareGate, arrivals, spares_waiting
 from tierckpt.launcher.options import RunOptions
-from tierckpt.launcher.workers.warm import StandbyPool
 
 __all__ = ["MembershipPath"]
 
@@ -58,7 +57,7 @@ class MembershipPath:
     _liveness: Liveness | None
     _arrivals_seen: int
     _held_rank: int | None
-    _pool: StandbyPool | None
+    workers: Any  # workers/runner.Workers
     _avoid: RepeatOffenders
     _seat_beat: SeatBeat | None
     _aside: bool  # this agent stands aside as a repeat offender: other waiting spares take seats first
@@ -148,10 +147,10 @@ class MembershipPath:
         seats = FirstSeats(ranks.identity(self.opts.memory_dir), stale_s=self.opts.node_timeout_s,
                            connect=lambda: connect_client(str(host), int(port))) \
             if isinstance(host, str) and isinstance(port, int) else None
-        pool = self._pool
+        ready = self.workers.workers_ready
         me = self._avoided_here(job_store)
         gate = SpareGate(job_store, max_nodes, self._standing_by,
-                         ready=lambda: pool is None or pool.workers_ready(),
+                         ready=ready,
                          on_warm=lambda: self._standing_by(None), seats=seats, offender=self._aside or me is not None,
                          hold_s=self.opts.avoid.wait_s if me is not None else 0.0, on_hold_over=self._avoid_ended)
         try:

@@ -24,12 +24,8 @@ Call order (one agent per node, all the same code):
 from __future__ import annotations
 
 import logging
-import os
-import random
 import shutil
-import signal
 import socket
-import tempfile
 import time
 import zlib
 from typing import TYPE_CHECKING, Any
@@ -82,12 +78,11 @@ from tierckpt.launcher.membership.spares import (
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.supervisor import runstate as restart_state
 from tierckpt.launcher.supervisor.runstate import RunState
-from tierckpt.launcher.workers.launch import start_context, static_env, worker_envs
+from tierckpt.launcher.workers.launch import static_env
 from tierckpt.launcher.workers.reaper import Reaper
-from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext, drain_closers, warmable
+from tierckpt.launcher.workers.runner import Workers, free_master_port
 from tierckpt.launcher.workers.watchdog import start_watchdog
 from tierckpt.monitor import NON_FINITE_LOSS
-from tierckpt.tiers.local import pid_alive
 
 if TYPE_CHECKING:
     pass
@@ -95,8 +90,6 @@ if TYPE_CHECKING:
 __all__ = ["TierckptAgent"]
 
 log = logging.getLogger("tierckpt.run")
-
-_BEAT_PREFIX = "tierckpt-beats-"  # <tmpfs>/tierckpt-beats-<agent pid>-<random>/beat_<local rank>
 
 class TierckptAgent(MembershipPath, LocalElasticAgent):
     """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
@@ -117,23 +110,20 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._liveness: Liveness | None = None
         self._claims: ClaimWatch | None = None  # another node's claim, pushed by the store (claimwatch.py)
         self._waker = Waker()
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        _remove_dead_beat_dirs(shm)
-        self._beat_dir = tempfile.mkdtemp(prefix=f"{_BEAT_PREFIX}{os.getpid()}-", dir=shm)
-        # heartbeats, /proc evidence, where idle ranks wait, log rules (detect/detectors.py)
-        self._detectors = Detectors(opts.heartbeat, opts.run_policy.log_rules, self._beat_dir)
         # ``node`` is the group rank, known from the first rendezvous on (None before it)
         self.events = Events(opts.events_path, node=None, host=socket.gethostname(), metrics_port=opts.metrics_port)
+        # the processes, their standbys, the reaper that stops them if this process dies (workers/runner.py)
+        self.workers = Workers(lambda beats: static_env(beats, namespace=opts.namespace, memory_dir=opts.memory_dir,
+                                                        durable_url=opts.durable_url),
+                               warm=opts.warm, stop_grace_s=opts.stop_grace_s, events=self.events, reaper=reaper)
+        # heartbeats, /proc evidence, where idle ranks wait, log rules (detect/detectors.py)
+        self._detectors = Detectors(opts.heartbeat, opts.run_policy.log_rules, self.workers.beat_dir)
         self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess/restarts.py)
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
         # the node agent: hosted, its peers discovered, prefetch and flush (dataplane/host.py)
         self._host = NodeAgentHost(opts.agent, self.events, across_hosts=opts.agent_across_hosts)
-        self._pool: StandbyPool | None = None
-        self.warm_ranks: list[int] = []
-        self._died_seen = 0
         self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
         self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
-        self._reaper = reaper  # stops the workers and claims LostNode if this process dies (reaper.py)
         self._store_addr: tuple[str, int] | None = None
         self._held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
         self._stable_rank: int | None = None  # this round's group rank, set in _assign_worker_ranks
@@ -284,24 +274,17 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         g = self.generation
         addr, port = self._master_for(g)
-        worker_group.master_addr, worker_group.master_port = addr, port  # type: ignore[assignment]
-        shutil.rmtree(self._beat_dir, ignore_errors=True)
-        os.makedirs(self._beat_dir)
-        static = static_env(self.opts, self._beat_dir)
-        if self.resume_before is not None:
-            static[resume.ENV] = str(self.resume_before)
-        static.update(self._inproc_store.env(self.ctl, self.node, g, addr, timeout_s=max(60.0, self.opts.node_timeout_s)))
-        envs, args = worker_envs(worker_group, generation=g, addr=addr, port=port, static=static,
-                                 set_local_rank_env=lambda env, lr: self._set_local_rank_env(
-                                     env, lr, worker_group.spec))  # type: ignore[arg-type]
-        self._torch_watchdogs(envs)
+        extra = {resume.ENV: str(self.resume_before)} if self.resume_before is not None else {}
+        extra.update(self._inproc_store.env(self.ctl, self.node, g, addr, timeout_s=max(60.0, self.opts.node_timeout_s)))
         if self._logs_specs is None:
             raise RuntimeError("tierckpt run: the agent has no logs spec")
-        self._pcontext, self.warm_ranks = start_context(
-            worker_group, envs, args, logs_specs=self._logs_specs, prefix_template=self._log_line_prefix_template,
-            pool=self._pool, start_method=self._start_method)
+        self._pcontext = self.workers.start(
+            worker_group, generation=g, addr=addr, port=port, extra=extra,
+            set_local_rank_env=lambda env, lr: self._set_local_rank_env(env, lr, worker_group.spec),
+            logs_specs=self._logs_specs, prefix_template=self._log_line_prefix_template,
+            start_method=self._start_method, before=self._torch_watchdogs)
         self._arm_detectors(worker_group)
-        self._inproc.arm(self._beat_dir, [w.local_rank for w in worker_group.workers])
+        self._inproc.arm(self.workers.beat_dir, [w.local_rank for w in worker_group.workers])
         return self._pcontext.pids()
 
     def _torch_watchdogs(self, envs: dict[int, dict[str, str]]) -> None:
@@ -317,34 +300,6 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._worker_watchdog = start_watchdog(envs, self._worker_group.spec.rdzv_handler.get_run_id())
         if getattr(self, "_health_check_server", None) is None and hasattr(self, "_setup_healthcheck"):
             self._setup_healthcheck()
-
-    def _start_pool(self) -> None:
-        """Standby interpreters for warm (re)starts, spawned now so they import torch during the rendezvous."""
-        spec = self._worker_group.spec
-        if self.opts.warm.workers <= 0 or not isinstance(spec.entrypoint, str) or \
-                not warmable(spec.entrypoint, tuple(spec.args)):
-            return
-        env = {**os.environ, **static_env(self.opts, self._beat_dir)}
-        self._pool = StandbyPool(self.opts.warm, spec.entrypoint, env)
-        self._pool.fill()
-
-    def _maybe_refill(self) -> None:
-        """Replace consumed standbys at once, at SCHED_IDLE: their imports take only CPU that the
-        restarted workers leave, and the spares (``WarmPolicy.spare``) serve a fault meanwhile."""
-        pool = self._pool
-        if pool is None:
-            return
-        for sb in pool.newly_ready():
-            self.events.emit("standby", generation=self.generation, ready=sb.pid,
-                             import_s=round(sb.ready_after_s or 0.0, 3))
-        if pool.short:
-            started = pool.fill(idle=True)
-            if started:
-                self.events.emit("standby", generation=self.generation, started=started)
-        for pid, code in pool.died[self._died_seen:]:
-            self.events.emit("warning", generation=self.generation,
-                             what=f"standby {pid} exited with {code} before use; a new one replaces it")
-        self._died_seen = len(pool.died)
 
     def _arm_detectors(self, wg: WorkerGroup) -> None:
         self._gen_started = time.time()
@@ -379,9 +334,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._gen_started = time.time()
 
     def _stop_now(self) -> None:
-        if self._pcontext is not None:
-            sig = signal.SIGTERM if self.opts.stop_grace_s > 0 else signal.SIGKILL
-            self._pcontext.close(sig, timeout=max(1, int(self.opts.stop_grace_s)))
+        self.workers.stop()
 
     # ---- detection: every detector's evidence, then one diagnosis (decide/diagnose.py) ----
     def _detect(self, result: RunResult) -> dict[str, Any] | None:
@@ -531,7 +484,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             if self._claims is not None:
                 self._claims.close()
             self._waker.close()
-            shutil.rmtree(self._beat_dir, ignore_errors=True)
+            shutil.rmtree(self.workers.beat_dir, ignore_errors=True)
 
     def _failed(self, exc: Exception) -> None:
         """The loop raised what nothing handles: stop the workers, persist, exit LAUNCHER_ERROR_EXIT."""
@@ -563,7 +516,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         spec = wg.spec
         if not self.opts.agent_across_hosts:
             self._host.start(self.generation, lambda: self.ctl.job_secret())
-        self._start_pool()
+        self.workers.start_pool(spec)
         try:
             self._join()
         except JobEnded as exc:  # a spare that was never needed
@@ -574,7 +527,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._start_workers_logged(wg)
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
                          world_size=len(wg.workers) * self.nnodes, pids=list(self._pcontext.pids().values())
-                         if self._pcontext else [], warm=self.warm_ranks)
+                         if self._pcontext else [], warm=self.workers.warm_ranks)
         while True:
             # a worker's exit (SIGCHLD) ends the wait at once (wake.py); so does another node's
             # claim (claimwatch.py: the store wakes a thread that wakes this loop)
@@ -582,7 +535,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self._woke_at = time.monotonic() if woke else None
             result = self._monitor_workers(wg)
             wg.state = result.state
-            self._maybe_refill()
+            self.workers.refill(self.generation)
             if self._inproc.poll(self.generation, node_of=self._node_of):
                 self._rearm_trackers()
             self._host.discover(self._ctl, self._local_host)
@@ -621,15 +574,10 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         return RunResult(state=WorkerState.SUCCEEDED)
 
     def _start_workers_logged(self, wg: WorkerGroup) -> None:
-        ids = self._start_workers(wg)
-        for local_rank, pid in ids.items():
-            wg.workers[local_rank].id = pid
-        wg.state = WorkerState.HEALTHY
-        if self._reaper is not None:
-            self._reaper.update(store=self._store_addr, generation=self.generation, node=self.node,
-                                generation_started=self._gen_started, resumed_step=self.resumed_step,
-                                events=self.opts.events_path)
-            self._reaper.watch(list(ids.values()))
+        self._start_workers(wg)
+        self.workers.launched(wg, store=self._store_addr, generation=self.generation, node=self.node,
+                              generation_started=self._gen_started, resumed_step=self.resumed_step,
+                              events=self.opts.events_path)
 
     def _recover(self, fault: dict[str, Any]) -> RunResult | None:
         """Stop, agree, decide; restart in place (None) or end the run (a RunResult)."""
@@ -709,7 +657,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self.events.detection.set(float(fault["detection_latency_s"]))
         self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
                          why=decision.reason, handover_s=round(handover, 3), resume_before=self.resume_before,
-                         pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.warm_ranks)
+                         pids=list(self._pcontext.pids().values()) if self._pcontext else [], warm=self.workers.warm_ranks)
         return None
 
     def _lost_now(self) -> list[int]:
@@ -741,19 +689,17 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _replace_alone(self, fault: dict[str, Any], g: int, t_detect: float) -> bool:
         """This node's worker died under the wrapper: one replacement process joins the survivors'
         next in-process generation (replace.py). False: nothing replaced, or it did not join."""
-        wg, ctx = self._worker_group, self._pcontext
+        wg = self._worker_group
         lr = next((w.local_rank for w in wg.workers if w.global_rank == fault.get("rank")), None)
         if fault.get("kind") != REPLACE or fault.get("node") != self.node or lr is None or \
-                not isinstance(ctx, WarmSubprocessContext):
+                not self.workers.replaceable():
             return False
         self._count([_fault_of(r) for r in self.ctl.history(g)])
         if float(fault.get("delay_s") or 0.0) > 0:
             self.events.emit("backoff", generation=g, delay_s=round(float(fault["delay_s"]), 3), why=fault.get("why"))
             time.sleep(float(fault["delay_s"]))
-        pid, warm = ctx.replace(lr, {JOIN_ENV: str(fault.get("reason"))})
+        pid, warm = self.workers.replace(lr, {JOIN_ENV: str(fault.get("reason"))})
         wg.workers[lr].id = pid
-        if self._reaper is not None:
-            self._reaper.watch(list(ctx.pids().values()))
         if self._inproc.restart(g, fault.get("reason"), kind=REPLACE, since=time.time() - (time.monotonic() - t_detect),
                                 rank=fault.get("rank"), pid=pid, warm=warm, why=fault.get("why")) is None:
             self.events.emit("warning", generation=g, what=f"the replacement of rank {fault.get('rank')} (pid {pid}) "
@@ -826,19 +772,13 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         if self._seat_beat is not None:
             self._seat_beat.stop()
             self._seat_beat = None
-        if self._reaper is not None:  # before the slow parts: the workers were stopped already
-            self._reaper.close()
-            self._reaper = None
         for name in ("_worker_watchdog", "_health_check_server"):
             server = getattr(self, name, None)
             if server is not None:
                 server.stop()
                 setattr(self, name, None)
-        drain_closers()
+        self.workers.close()  # the reaper first: the workers were stopped already
         self._detectors.close()
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
         self._host.close()
         self.events.close()
 
@@ -852,37 +792,3 @@ def _fault_of(rec: dict[str, Any]) -> Fault:
     return Fault(generation=int(rec["generation"]), time=float(rec["time"]),
                  generation_started=float(rec["generation_started"]), reason=str(rec["reason"]),
                  first_beat=bool(rec["first_beat"]), step=rec.get("step"), resumed_step=rec.get("resumed_step"))
-
-
-def _remove_dead_beat_dirs(parent: str) -> None:
-    """Heartbeat folders of agents that died without cleaning up (SIGKILL, a lost machine)."""
-    with os.scandir(parent) as entries:
-        for entry in entries:
-            pid = entry.name[len(_BEAT_PREFIX):].split("-", 1)[0] if entry.name.startswith(_BEAT_PREFIX) else ""
-            if pid.isdigit() and not pid_alive(int(pid)):
-                shutil.rmtree(entry.path, ignore_errors=True)
-
-
-def free_master_port(tries: int = 64) -> int:
-    """A port for the workers' master store that nothing binds now, chosen outside the kernel's
-    ephemeral range: between this check and the workers' bind, any outgoing connection on the
-    machine may take an ephemeral port (seen as EADDRINUSE in a worker's init_process_group when
-    many jobs ran side by side); no connection takes one below the range. Falls back to a port the
-    kernel picks when the range leaves no room or every try is taken."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()
-    for _ in range(tries if low > 12000 else 0):
-        port = rng.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])

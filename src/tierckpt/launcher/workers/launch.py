@@ -20,20 +20,20 @@ from torch.distributed.elastic.multiprocessing.api import PContext
 from torch.distributed.elastic.utils.api import macros
 
 from tierckpt import workerenv
-from tierckpt.launcher.options import RunOptions
 from tierckpt.launcher.workers.warm import StandbyPool, WarmSubprocessContext
 
 __all__ = ["start_context", "static_env", "worker_envs"]
 
 
-def static_env(opts: RunOptions, beat_dir: str) -> dict[str, str]:
+def static_env(beat_dir: str, *, namespace: str | None = None, memory_dir: str | None = None,
+               durable_url: str | None = None) -> dict[str, str]:
     """What every worker of every generation gets beside torch elastic's per-rank variables."""
     env = {workerenv.MONITOR_DIR: beat_dir, "PYTHONUNBUFFERED": os.environ.get("PYTHONUNBUFFERED", "1"),
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
            # a fresh store per generation (rank 0 hosts it on the published port)
            "TORCHELASTIC_USE_AGENT_STORE": "False"}
-    for key, value in ((workerenv.NAMESPACE, opts.namespace), (workerenv.MEMORY_DIR, opts.memory_dir),
-                       (workerenv.DURABLE_URL, opts.durable_url)):
+    for key, value in ((workerenv.NAMESPACE, namespace), (workerenv.MEMORY_DIR, memory_dir),
+                       (workerenv.DURABLE_URL, durable_url)):
         if value:
             env[key] = value
     if "OMP_NUM_THREADS" in os.environ:
