@@ -127,8 +127,9 @@ DEBTS: dict[tuple[str, str], str] = {
         "MEMBERSHIP_CHANGE, a claim's reason, is spelled in membership.py until decide/faults.Reason (step 5b)",
     ("tierckpt.launcher.membership.ranks", "tierckpt.launcher.supervisor.runstate"):
         "STATE_DIR is named in supervisor/runstate.py until layout.py names the launcher's state dir (§3.1)",
-    ("tierckpt.launcher.membership.agent_membership", "tierckpt.launcher.options"):
-        "the agent's membership path, moved out of torch_agent.py as is, reads RunOptions until Rounds (step 6)",
+    ("tierckpt.launcher.membership.rounds", "tierckpt.launcher.options"):
+        "Rounds reads the membership's options (elastic, avoid, restart policy, node timeout) from RunOptions "
+        "until options.py's parts move below the wings",
     ("tierckpt.launcher.cli", "tierckpt.agent.config"): "AgentConfig taken past the agent's face (tierckpt.agent)",
 }
 

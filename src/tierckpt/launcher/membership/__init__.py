@@ -7,5 +7,6 @@
     snooze.py            ScaleUpSnooze: no scale-up right after a scale-down (pure)
     avoid.py             RepeatOffenders: the job-store shell around decide/offenders.py
     rdzvwait.py          rendezvous progress while an agent waits for the others
-    agent_membership.py  MembershipPath: the agent's regroup, arrival and spare path
+    rounds.py            Rounds, Round: one agent's side of every round (gate, stable rank, regroup,
+                         offenders kept out and avoided, arrivals)
 """

@@ -44,7 +44,6 @@ from tierckpt.launcher.dataplane.host import NodeAgentHost, local_address
 from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose
 from tierckpt.launcher.decide.escalation import Action, Decision, Fault
 from tierckpt.launcher.decide.faults import FaultRecord, Kind
-from tierckpt.launcher.decide.offenders import OffenderPolicy
 from tierckpt.launcher.decide.recovery import Step, after_stop, barrier_all
 from tierckpt.launcher.detect.busyboard import BusyBoard
 from tierckpt.launcher.detect.detectors import Detectors
@@ -53,27 +52,21 @@ from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
 from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost, tag
 from tierckpt.launcher.inprocess.restarts import InProcessRestarts
-from tierckpt.launcher.membership import ranks
-from tierckpt.launcher.membership.agent_membership import MembershipPath
-from tierckpt.launcher.membership.avoid import KeepOut, RepeatOffenders
+from tierckpt.launcher.membership.avoid import KeepOut
 from tierckpt.launcher.membership.change import (
     MEMBERSHIP_CHANGE,
-    Change,
     missing_nodes,
     prior_restarts,
     restart_history,
 )
 from tierckpt.launcher.membership.rdzvwait import RendezvousProgress
-from tierckpt.launcher.membership.seats import SeatBeat
-from tierckpt.launcher.membership.snooze import ScaleUpSnooze, scaled_down
+from tierckpt.launcher.membership.rounds import Rounds
 from tierckpt.launcher.membership.spares import (
     JobEnded,
     SpareWatch,
-    arrivals,
     finished,
     open_seats,
     publish_nodes,
-    report_round,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
 from tierckpt.launcher.supervisor import runstate as restart_state
@@ -91,7 +84,7 @@ __all__ = ["TierckptAgent"]
 
 log = logging.getLogger("tierckpt.run")
 
-class TierckptAgent(MembershipPath, LocalElasticAgent):
+class TierckptAgent(LocalElasticAgent):
     """LocalElasticAgent plus detectors, a job-wide generation and escalation; see the module doc."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: LogsSpecs, opts: RunOptions, *,
@@ -125,29 +118,17 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
         self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
         self._store_addr: tuple[str, int] | None = None
-        self._held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
-        self._stable_rank: int | None = None  # this round's group rank, set in _assign_worker_ranks
-        self._members: dict[int, str] = {}  # group rank -> identity of the last round (ranks.exchange_round)
-        self._change = Change(before={}, after={})  # the last round's membership change, reported in _join
+        self.rounds = Rounds(opts, self.events)  # membership: gate, round, regroup, offenders (membership/rounds.py)
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
         self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
         self._changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
         self._changes = 0  # ... and of this one, as of the last decision
         self._unhealthy_before = 0  # the backoff streak this incarnation began with (escalation.py; state file)
-        self._arrivals_seen = 0  # spares.arrivals when this round settled
         self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
         self._held_since: float | None = None  # a symptom's settle window began (decide/diagnose.py)
         self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
-        # repeat offenders (avoid.py): faults by node identity, in the store and the state file
-        self._avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(opts.run_policy.restart_policy))
-        self._snooze = ScaleUpSnooze.from_restart_policy(opts.run_policy.restart_policy)  # snooze.py
-        self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
-        self._seat_beat: SeatBeat | None = None  # beats until the first round formed (seats.py)
-        self._aside = False  # standing aside as a repeat offender (agent_membership._stand_aside)
-        self._avoid_next: list[dict[str, Any]] = []  # avoid list of the last full job restart (state file)
-        self._avoid_checked = False  # looked itself up in it at its first spare gate (agent_membership)
 
     # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
     def _load_state(self) -> RunState:
@@ -159,7 +140,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         state = RunState(next_generation=next_generation, full_restarts=full_restarts,
                          job_started=self._job_started, hang=self._learn().to_dict(), restarts=self._restarts,
                          resume_before=self.resume_before, membership_changes=self._changes_before + self._changes,
-                         offenses=self._avoid.remembered, avoid=tuple(self._avoid_next), unhealthy_before=streak)
+                         offenses=self.rounds.offenders.remembered, avoid=tuple(self.rounds.avoid_next), unhealthy_before=streak)
         problem = restart_state.save(self.opts, self._worker_group.spec.rdzv_handler.get_run_id(), state.to_dict())
         if problem is not None:
             self.events.emit("warning", generation=self.generation, what=problem)
@@ -186,27 +167,22 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     # ---- rendezvous + generation ----
     def _assign_worker_ranks(self, store: Any, group_rank: int, group_world_size: int,
                              spec: WorkerSpec) -> list[Any]:
-        """torch's rank assignment, but from the group rank this node held before (ranks.py)
+        """torch's rank assignment, but from the group rank this node held before (membership/rounds.py)
         instead of torch's arrival order; called by torch's ``_rendezvous`` once per round."""
-        run_id = spec.rdzv_handler.get_run_id()
-        memory_dir = self.opts.memory_dir
-        survivor = self._held_rank is not None
-        prior = self._held_rank if survivor else ranks.load_prior(memory_dir, run_id)
-        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
-                            members=self._members if survivor else None)
-        stable, before, self._members = ranks.exchange_round(store, group_rank, group_world_size, claim)
-        self._change = Change(before=before, after=self._members)
-        self._stable_rank = stable
+        stable = self.rounds.assign(store, group_rank, group_world_size, spec.rdzv_handler.get_run_id())
         return super()._assign_worker_ranks(store, stable, group_world_size, spec)
 
     def _join(self) -> None:
         wg = self._worker_group
-        gated = self._spare_gate()  # a job running on its maximum of nodes: stand by until a seat opens
-        with RendezvousProgress(wg.spec.rdzv_handler, self.opts.rdzv_endpoint or "the rendezvous"), \
-                SpareWatch(wg.spec.rdzv_handler, self._standing_by) as spare:
+        handler = wg.spec.rdzv_handler
+        # a job running on its maximum of nodes: stand by until a seat opens
+        gated = self.rounds.gate(handler, ready=self.workers.workers_ready, generation=self.generation,
+                                 load_avoid=lambda: self._load_state().avoid)
+        with RendezvousProgress(handler, self.opts.rdzv_endpoint or "the rendezvous"), \
+                SpareWatch(handler, lambda n: self.rounds.standing_by(n, self.generation)) as spare:
             super()._rendezvous(wg)
-        if self._stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
-            wg.group_rank = self._stable_rank  # type: ignore[assignment]  # torch annotates it None
+        if self.rounds.stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
+            wg.group_rank = self.rounds.stable_rank  # type: ignore[assignment]  # torch annotates it None
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
@@ -219,21 +195,15 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             store, self.nnodes, local_next=st.next_generation, local_full=st.full_restarts)
         self._changes_before = self.ctl.agree_max(keys.MEMBERSHIP_CHANGES, st.membership_changes)
         self._unhealthy_before = self.ctl.agree_max(keys.UNHEALTHY_BEFORE, st.unhealthy_before)
-        self._avoid.remember(job_store, st.offenses)
-        self._avoid_after_round(job_store, st.avoid)  # the last full restart's avoid list; this node's machine
+        self.rounds.after_round(job_store, st.offenses, st.avoid)  # the last full restart's avoid list
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
 
     def _settle(self, job_store: Any, *, spare_since: float | None, via: str) -> None:
-        """After a rendezvous round or a regroup: keep the rank, point the detectors at the new
-        membership, report it (``spare``, ``membership`` events)."""
-        wg = self._worker_group
-        self._held_rank = self.node
-        problem = ranks.save_prior(self.opts.memory_dir, wg.spec.rdzv_handler.get_run_id(), self.node, self.nnodes)
-        if problem is not None:
-            self.events.emit("warning", generation=self.generation, what=problem)
-        self._detectors.follow(BusyBoard(job_store, self.node))
+        """After a rendezvous round or a regroup: point the detectors, the liveness verdict and the
+        node agent at the new membership, then let ``Rounds`` report it (``spare``, ``membership``)."""
         self.events.node = self.node
+        self._detectors.follow(BusyBoard(job_store, self.node))
         self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
             host, port = job_store.host, job_store.port
@@ -247,11 +217,36 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self._host.follow(self.generation, self.node, self.nnodes)
         if self.node == 0:
             publish_nodes(job_store, self.nnodes)
-        self._arrivals_seen = arrivals(job_store)
-        if scaled_down(self._change):
-            self._scaled_down_at = time.monotonic()
-        report_round(self.events, self.generation, self._change, node=self.node, spare_since=spare_since, via=via)
-        self._change = Change(before={}, after={})
+        self.rounds.settled(job_store, generation=self.generation, node=self.node, nnodes=self.nnodes,
+                            run_id=self._worker_group.spec.rdzv_handler.get_run_id(), spare_since=spare_since, via=via)
+
+    def _regroup(self, fault: dict[str, Any], g: int) -> bool:
+        """An elastic job that lost nodes keeps going on the survivors without a torch round (rounds.py)."""
+        wg = self._worker_group
+
+        def assign(round_store: Any, rank: int, world: int) -> None:
+            wg.workers = LocalElasticAgent._assign_worker_ranks(self, round_store, rank, world, wg.spec)
+            wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
+
+        if not self.rounds.regroup(fault, g, ctl=self.ctl, node=self.node, nnodes=self.nnodes,
+                                   waiting=wg.spec.rdzv_handler.num_nodes_waiting(),
+                                   lost=self._liveness.lost if self._liveness is not None else None, assign=assign):
+            return False
+        self.generation = g + 1
+        self._settle(self.ctl.store, spare_since=None, via="regroup")
+        return True
+
+    def _stand_aside(self, g: int) -> RunResult | None:
+        """A repeat offender: out of torch's round, to the spare gate behind every other spare;
+        None when a seat opens for it again, a RunResult when the job ended."""
+        self.rounds.stand_aside(self._worker_group.spec.rdzv_handler)
+        try:
+            self._join()
+        except JobEnded as exc:
+            return self._ended(exc)
+        finally:
+            self.rounds.stood_aside()
+        return None
 
     @property
     def ctl(self) -> JobControl:
@@ -280,7 +275,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             raise RuntimeError("tierckpt run: the agent has no logs spec")
         self._pcontext = self.workers.start(
             worker_group, generation=g, addr=addr, port=port, extra=extra,
-            set_local_rank_env=lambda env, lr: self._set_local_rank_env(env, lr, worker_group.spec),
+            set_local_rank_env=lambda env, lr: self._set_local_rank_env(env, lr, worker_group.spec),  # type: ignore[arg-type]
             logs_specs=self._logs_specs, prefix_template=self._log_line_prefix_template,
             start_method=self._start_method, before=self._torch_watchdogs)
         self._arm_detectors(worker_group)
@@ -375,8 +370,9 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 out.append(FaultRecord(kind=Kind.LOST_NODE, reason="LostNode", node=lost[0], lost=tuple(sorted(lost)),
                                        detail=f"agent(s) of node {lost} silent for {self.opts.node_timeout_s:g}s",
                                        since=now - self.opts.node_timeout_s))
-        if self._snooze.allows(now, self._scaled_down_at) and \
-                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self._arrived()):
+        if not self.rounds.snoozed(now) and \
+                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self.rounds.arrived(self._ctl.store if self._ctl else None,
+                                                                                    self.nnodes)):
             out.append(FaultRecord(kind=Kind.ARRIVAL, reason=MEMBERSHIP_CHANGE,
                                    detail="a new agent is waiting in the rendezvous", since=now))
         return out
@@ -604,7 +600,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.ctl.stopped(g)
         claims = [_fault_of(r) for r in self.ctl.history(g)]
         self._count(claims)
-        self._avoid.record(self.ctl.store, g, fault, self._members)  # by node identity (avoid.py)
+        self.rounds.record(self.ctl.store, g, fault)  # by node identity (avoid.py)
         self._changes = len(claims) - len(self._history)
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
             if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)
@@ -617,7 +613,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
         self.resume_before = resume.advance(self.resume_before, fault,
                                             resume.passed(self.ctl.store, g, self.nnodes),
                                             resume.lowest_non_finite(self.ctl.store, g))
-        out = self._keep_out(fault, g) if all_here and decision.action == Action.RESTART else KeepOut()
+        out = self.rounds.keep_out(self.ctl.store, g, fault) if all_here and decision.action == Action.RESTART else KeepOut()
         plan = after_stop(fault, decision, me=self.node, all_here=all_here, keep_out=out.ranks)  # decide/recovery.py
         if plan.step is Step.FINISH:
             return self._finish(decision, all_here)
@@ -638,11 +634,8 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
                 if ended is not None:
                     return ended
             else:
-                if plan.forget_rank:
-                    # the others counted this node lost (a partition that healed): they went on without
-                    # it, a spare may hold its rank; it comes back as a newcomer, through the spare gate,
-                    # not straight into torch's round (whose redundancy list is unsafe, spares.py)
-                    self._held_rank = None
+                if plan.forget_rank:  # the others counted it lost (a partition that healed): a newcomer
+                    self.rounds.forget()
                 try:
                     if plan.step is Step.RERENDEZVOUS or not self._regroup(fault, g):
                         self._join()
@@ -714,7 +707,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
         g = self.generation
         if decision.action == Action.FULL_RESTART:  # before the exit barrier: the store is still up
-            self._avoid_at_full_restart(g)
+            self.rounds.at_full_restart(self.ctl.store, g)
         self._persist(barrier=all_here)
         if all_here:  # the store's host must not leave while the others still read it
             self._barrier(keys.exited(g), timeout=30.0)
@@ -769,9 +762,7 @@ class TierckptAgent(MembershipPath, LocalElasticAgent):
             self.events.emit("warning", generation=self.generation, what=f"persist failed: {exc}")
 
     def close(self) -> None:
-        if self._seat_beat is not None:
-            self._seat_beat.stop()
-            self._seat_beat = None
+        self.rounds.close()
         for name in ("_worker_watchdog", "_health_check_server"):
             server = getattr(self, name, None)
             if server is not None:

@@ -1,0 +1,295 @@
+"""Who is in the job: one agent's side of every membership round, as a ``Round`` value.
+
+A round is torch's rendezvous (c10d) or, for an elastic job that lost nodes and keeps at least
+MIN, a regroup of the survivors through the store without a torch round (change.shrink). Around
+it: the spare gate (a job on its maximum of nodes: stand by until a seat opens; seats.py before
+the first round formed), the node's stable group rank (ranks.py), the repeat offenders kept out
+and avoided (avoid.py), the arrivals of spares below MAX (spares.py) and the scale-up snooze.
+
+Call order (the supervisor, supervisor/torch_agent.py):
+
+    gate(handler, ready, generation)            # before torch's round (None: it did not wait)
+    assign(store, group_rank, world, run_id)    # inside torch's round: this node's stable rank
+    after_round(job_store, offenses, avoid)     # once the round formed, with the state file's lists
+    settled(job_store, node, nnodes, ...) -> Round   # after a round or a regroup: the value the parts follow
+    arrived(store, nnodes) / snoozed(now)       # every poll: a MembershipChange
+    record(store, g, fault); keep_out(store, g, fault)   # a fault, after the stop barrier
+    regroup(...) -> bool | stand_aside(handler) | forget()   # the recovery's membership step
+    at_full_restart(store, g)                   # a FULL_RESTART decision, before the exit barrier
+    close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.store import connect_client
+from tierckpt.launcher.decide.offenders import OffenderPolicy
+from tierckpt.launcher.events import Events
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.avoid import (
+    Avoided,
+    KeepOut,
+    RepeatOffenders,
+    agree_avoid,
+    avoided,
+    leave_round,
+    publish_machine,
+    write_avoid_file,
+)
+from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE, Change, shrink
+from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat
+from tierckpt.launcher.membership.snooze import ScaleUpSnooze, scaled_down
+from tierckpt.launcher.membership.spares import SpareGate, arrivals, report_round, spares_waiting
+from tierckpt.launcher.options import RunOptions
+
+__all__ = ["Round", "Rounds"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Round:
+    """What a rendezvous round or a regroup settled, as the supervisor hands it to its parts."""
+
+    generation: int
+    node: int  # this agent's group rank
+    nnodes: int
+    change: Change  # the membership before and after (reported as the ``membership`` event)
+    via: str  # "rendezvous" or "regroup"
+
+
+class Rounds:
+    """One agent's membership state across rounds; see the module doc."""
+
+    def __init__(self, opts: RunOptions, events: Events) -> None:
+        self.opts = opts
+        self.events = events
+        self.held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
+        self.stable_rank: int | None = None  # this round's group rank, set by ``assign``
+        self.members: dict[int, str] = {}  # group rank -> identity of the last round (ranks.exchange_round)
+        self._change = Change(before={}, after={})  # the last round's membership change, reported by ``settled``
+        self._arrivals_seen = 0  # spares.arrivals when this round settled
+        policy = opts.run_policy.restart_policy
+        self.offenders = RepeatOffenders(OffenderPolicy.from_restart_policy(policy))  # avoid.py
+        self._snooze = ScaleUpSnooze.from_restart_policy(policy)  # snooze.py
+        self._scaled_down_at: float | None = None  # monotonic time of the last round with fewer nodes
+        self._seat_beat: SeatBeat | None = None  # beats until the first round formed (seats.py)
+        self._aside = False  # standing aside as a repeat offender (``stand_aside``)
+        self.avoid_next: list[dict[str, Any]] = []  # avoid list of the last full job restart (state file)
+        self._avoid_checked = False  # looked itself up in it at its first spare gate
+
+    # ---- before and inside torch's round ----
+    def gate(self, handler: Any, *, ready: Callable[[], bool], generation: int,
+             load_avoid: Callable[[], Sequence[Any]]) -> float | None:
+        """spares.SpareGate before torch's rendezvous; when this agent began standing by, or None.
+        A survivor (it held a rank in this process) never waits there. Before the first round
+        formed, the gate seats this agent in it or holds it as a spare (seats.py); the seat's
+        beat runs until the round formed (group rank 0 published its node count). ``load_avoid``:
+        the state file's avoid list, read at the first gate only."""
+        if self.held_rank is not None:
+            return None
+        store = getattr(handler, "_store", None)
+        max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
+        if store is None or not isinstance(max_nodes, int):
+            return None
+        job_store = getattr(store, "underlying_store", store)
+        host, port = getattr(job_store, "host", None), getattr(job_store, "port", None)
+        seats = FirstSeats(ranks.identity(self.opts.memory_dir), stale_s=self.opts.node_timeout_s,
+                           connect=lambda: connect_client(str(host), int(port))) \
+            if isinstance(host, str) and isinstance(port, int) else None
+        me = self._avoided_here(job_store, generation, load_avoid)
+        gate = SpareGate(job_store, max_nodes, lambda n: self.standing_by(n, generation),
+                         ready=ready, on_warm=lambda: self.standing_by(None, generation), seats=seats,
+                         offender=self._aside or me is not None,
+                         hold_s=self.opts.avoid.wait_s if me is not None else 0.0,
+                         on_hold_over=lambda: self._avoid_ended(generation))
+        try:
+            return gate.wait()
+        finally:
+            if gate.beat is not None:
+                self._seat_beat = gate.beat
+
+    def standing_by(self, job_nodes: int | None, generation: int) -> None:
+        """This agent stands by as a spare (``job_nodes``: the job's nodes), or its standbys just
+        finished their imports (None): ``spare`` events ``standby`` and ``warm``."""
+        fields: dict[str, Any] = {"state": "warm"} if job_nodes is None else {"state": "standby", "job_nodes": job_nodes}
+        self.events.emit("spare", generation=generation, identity=ranks.identity(self.opts.memory_dir), **fields)
+
+    def assign(self, store: Any, group_rank: int, group_world_size: int, run_id: str) -> int:
+        """Inside torch's round: the group rank this node held before (ranks.py), instead of
+        torch's arrival order; torch's rank assignment then runs from it."""
+        memory_dir = self.opts.memory_dir
+        survivor = self.held_rank is not None
+        prior = self.held_rank if survivor else ranks.load_prior(memory_dir, run_id)
+        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
+                            members=self.members if survivor else None)
+        stable, before, self.members = ranks.exchange_round(store, group_rank, group_world_size, claim)
+        self._change = Change(before=before, after=self.members)
+        self.stable_rank = stable
+        return stable
+
+    def after_round(self, job_store: Any, offenses: Any, avoid: Sequence[Any]) -> None:
+        """After a rendezvous round: the offenses the state file kept, the last full restart's
+        avoid list carried to this incarnation's state saves, this node's machine name published."""
+        self.offenders.remember(job_store, offenses)
+        if not self.offenders.enabled:
+            return
+        self.avoid_next = [a.to_dict() for a in Avoided.parse(list(avoid))]
+        publish_machine(job_store, ranks.identity(self.opts.memory_dir), self.opts.avoid.machine_name())
+
+    def settled(self, job_store: Any, *, generation: int, node: int, nnodes: int, run_id: str,
+                spare_since: float | None, via: str) -> Round:
+        """After a round or a regroup: keep the rank, report the membership (``spare``,
+        ``membership`` events); the ``Round`` the detectors, liveness and node agent follow."""
+        self.held_rank = node
+        problem = ranks.save_prior(self.opts.memory_dir, run_id, node, nnodes)
+        if problem is not None:
+            self.events.emit("warning", generation=generation, what=problem)
+        self._arrivals_seen = arrivals(job_store)
+        change, self._change = self._change, Change(before={}, after={})
+        if scaled_down(change):
+            self._scaled_down_at = time.monotonic()
+        report_round(self.events, generation, change, node=node, spare_since=spare_since, via=via)
+        return Round(generation=generation, node=node, nnodes=nnodes, change=change, via=via)
+
+    # ---- every poll ----
+    def arrived(self, store: Any | None, nnodes: int) -> bool:
+        """An agent passed the spare gate into a job below its maximum since this round settled
+        (spares.arrivals: one store operation a poll, only while the job runs below MAX)."""
+        el = self.opts.elastic
+        if el is None or store is None or nnodes >= el.max_nodes:
+            return False
+        return arrivals(store) > self._arrivals_seen
+
+    def snoozed(self, now: float) -> bool:
+        """Whether a scale-up waits now (the snooze after a round with fewer nodes; snooze.py)."""
+        return not self._snooze.allows(now, self._scaled_down_at)
+
+    # ---- a fault ----
+    def record(self, store: Any, g: int, fault: dict[str, Any]) -> None:
+        """The fault against its node's identity (avoid.py), on every node after the stop."""
+        self.offenders.record(store, g, fault, self.members)
+
+    def keep_out(self, store: Any, g: int, fault: dict[str, Any]) -> KeepOut:
+        """The repeat offenders the next round does without (the same on every node), reported
+        as ``offender`` events; the waiting spares take their ranks."""
+        pol = self.offenders.policy
+        out = self.offenders.keep_out(store, g, fault, self.members, spares=spares_waiting(store))
+        for rank, ident in zip(out.ranks, out.identities, strict=True):
+            self.events.emit("offender", generation=g, node=rank, identity=ident, faults=self.offenders.count(ident),
+                             spares=out.spares, max_avoid=pol.max_avoid, window_s=pol.window_s)
+        return out
+
+    def lost_nodes(self, fault: dict[str, Any], lost: Callable[[], list[int]] | None) -> list[int]:
+        """The group ranks a re-rendezvous lacks: a LostNode claim's, else (a machine gone with its
+        reaper shows first as the survivors' Crash) the liveness verdict's, awaited up to
+        ``--node-timeout`` (every survivor reads the same verdict key)."""
+        if fault.get("reason") == "LostNode":
+            return [int(n) for n in fault.get("lost") or [fault.get("node")] if n is not None]
+        deadline = time.monotonic() + self.opts.node_timeout_s
+        while lost is not None:
+            now = lost()
+            if now or time.monotonic() > deadline:
+                return sorted(now)
+            time.sleep(0.05)
+        return []
+
+    def regroup(self, fault: dict[str, Any], g: int, *, ctl: Any, node: int, nnodes: int, waiting: int,
+                lost: Callable[[], list[int]] | None,
+                assign: Callable[[Any, int, int], None]) -> bool:
+        """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
+        membership through the store (``JobControl.regroup``), without a torch rendezvous round;
+        False (use the round) when ``change.shrink`` says so or a survivor does not arrive.
+        ``waiting``: agents in torch's round now; ``assign(round_store, rank, world)`` gives the
+        workers their ranks (torch's own assignment) in the regrouped membership."""
+        el = self.opts.elastic
+        if el is None or not el.elastic or fault.get("reason") == MEMBERSHIP_CHANGE:
+            return False
+        plan = shrink(nnodes=nnodes, lost=self.lost_nodes(fault, lost), elastic=el,
+                      spares_waiting=spares_waiting(ctl.store) + waiting)
+        got = ctl.regroup(g, node, list(plan.survivors), timeout=self.opts.node_timeout_s) \
+            if plan.regroup and node in plan.survivors else None
+        if got is None:
+            return False
+        rank, world = got
+        import torch.distributed as dist
+
+        assign(dist.PrefixStore(keys.regroup_round(g), ctl.store), rank, world)  # type: ignore[attr-defined]
+        after = {new: self.members.get(old, "") for new, old in enumerate(plan.survivors)}
+        self._change, self.members = Change(before=self.members, after=after), after
+        return True
+
+    def stand_aside(self, handler: Any) -> None:
+        """This node is a repeat offender: out of torch's round; the next ``gate`` holds it as a
+        node that holds no rank, behind every other spare waiting there (``SpareGate(offender=True)``).
+        ``stood_aside()`` when that gate is over."""
+        leave_round(handler)
+        self.held_rank = None
+        self._aside = True
+
+    def stood_aside(self) -> None:
+        self._aside = False
+
+    def forget(self) -> None:
+        """The others counted this node lost (a partition that healed): they went on without it,
+        a spare may hold its rank; it comes back as a newcomer, through the spare gate, not straight
+        into torch's round (whose redundancy list is unsafe, spares.py)."""
+        self.held_rank = None
+
+    def at_full_restart(self, store: Any, g: int) -> None:
+        """A FULL_RESTART decision, before the exit barrier (the store is up): the repeat offenders
+        the next start avoids (avoid.RepeatOffenders.at_full_restart, the same on every node), as
+        ``offender`` events with ``at: "full_restart"``, the state file's ``avoid`` and the
+        scheduler's hint file (``--avoid-file``)."""
+        if not self.offenders.enabled:
+            return
+        pol = self.offenders.policy
+        out = self.offenders.at_full_restart(store, g)
+        rank_of = {ident: rank for rank, ident in self.members.items()}
+        for a in out:
+            self.events.emit("offender", generation=g, at="full_restart", node=rank_of.get(a.identity),
+                             identity=a.identity, machine=a.machine, faults=a.faults,
+                             max_avoid=pol.max_avoid, window_s=pol.window_s,
+                             why=f"{a.faults} faults within evalPeriodSeconds {pol.window_s}: "
+                                 "the next start avoids this node")
+        self.avoid_next = [a.to_dict() for a in out]
+        path = self.opts.avoid.file
+        if path is not None:
+            try:
+                write_avoid_file(path, out)
+            except OSError as exc:  # the exit goes on; the scheduler gets no hint
+                self.events.emit("warning", generation=g, what=f"--avoid-file {path}: {exc}")
+
+    def close(self) -> None:
+        if self._seat_beat is not None:
+            self._seat_beat.stop()
+            self._seat_beat = None
+
+    # ---- the avoid list at the first gate ----
+    def _avoided_here(self, job_store: Any, generation: int,
+                      load_avoid: Callable[[], Sequence[Any]]) -> Avoided | None:
+        """At this process's first spare gate: this node's entry in the avoid list of the last
+        full job restart (its state file's, merged with the store's; avoid.py), reported as a
+        ``spare`` event with ``state: "avoided"`` (written at once: the node holds no rank)."""
+        if self._avoid_checked or not self.offenders.enabled:
+            return None
+        self._avoid_checked = True
+        identity = ranks.identity(self.opts.memory_dir)
+        me = avoided(agree_avoid(job_store, list(load_avoid())), identity, self.opts.avoid)
+        if me is not None:
+            self.events.emit("spare", generation=generation, state="avoided", identity=identity,
+                             machine=me.machine, faults=me.faults, wait_s=self.opts.avoid.wait_s,
+                             why=f"a repeat offender at the last full job restart ({me.faults} faults within "
+                                 f"evalPeriodSeconds {self.offenders.policy.window_s}): other nodes take the "
+                                 "seats first; it stands behind every other spare")
+        return me
+
+    def _avoid_ended(self, generation: int) -> None:
+        """An avoided node's hold at the first round's seats ended with a seat still free: it takes it."""
+        self.events.emit("spare", generation=generation, state="avoid_ended",
+                         identity=ranks.identity(self.opts.memory_dir),
+                         why=f"no other node took the first round's free seat within --avoid-wait "
+                             f"{self.opts.avoid.wait_s:g}s: this node takes it (the job does not start short)")

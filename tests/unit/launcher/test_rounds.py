@@ -1,0 +1,152 @@
+"""``membership/rounds.Rounds``, one agent's side of every membership round, on a real in-memory
+store (``torch.distributed.HashStore``, shared by threads that play the nodes): no agent, no torch round."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.jobcontrol import JobControl
+from tierckpt.launcher.events import Events
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.change import Elastic
+from tierckpt.launcher.membership.rounds import Round, Rounds
+from tierckpt.launcher.options import RunOptions
+
+_EVENTS: list[Events] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_events() -> Iterator[None]:
+    yield
+    while _EVENTS:
+        _EVENTS.pop().close()
+
+
+def _rounds(tmp: Path, name: str, **opts: Any) -> Rounds:
+    events = Events(str(tmp / f"{name}.jsonl"), node=0, host="h")
+    _EVENTS.append(events)
+    return Rounds(RunOptions(memory_dir=str(tmp / name), node_timeout_s=2.0, **opts), events)
+
+
+def _events(tmp: Path, name: str) -> list[dict[str, Any]]:
+    for e in _EVENTS:
+        e.close()
+    path = tmp / f"{name}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _assign_all(store: Any, rounds: list[Rounds], order: list[int]) -> list[int]:
+    """Every node's ``assign`` at once (torch's arrival order ``order``), as in one torch round."""
+    out: list[int] = [-1] * len(rounds)
+
+    def one(i: int) -> None:
+        out[i] = rounds[i].assign(store, order[i], len(rounds), "job")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(rounds))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_a_node_keeps_its_rank_across_rounds_whatever_torch_s_order(tmp_path: Path) -> None:
+    a, b = _rounds(tmp_path, "a"), _rounds(tmp_path, "b")
+    store = dist.HashStore()
+    first = _assign_all(dist.PrefixStore("r1/", store), [a, b], [0, 1])
+    assert first == [0, 1]
+    rs = [r.settled(store, generation=0, node=n, nnodes=2, run_id="job", spare_since=None, via="rendezvous")
+          for r, n in zip((a, b), first, strict=True)]
+    assert rs[0] == Round(generation=0, node=0, nnodes=2, change=rs[0].change, via="rendezvous")
+    assert a.held_rank == 0 and ranks.load_prior(str(tmp_path / "b"), "job") == 1
+    # the next round torch orders them the other way round: each keeps its own rank
+    again = _assign_all(dist.PrefixStore("r2/", store), [a, b], [1, 0])
+    assert again == [0, 1] and a.members == b.members and len(a.members) == 2
+
+
+def test_settled_reports_the_membership_once_and_remembers_a_scale_down(tmp_path: Path) -> None:
+    r = _rounds(tmp_path, "a", elastic=Elastic(1, 3))
+    store = dist.HashStore()
+    r.members = {0: "x", 1: "y"}
+    r.held_rank = 0
+    _assign_all(dist.PrefixStore("r/", store), [r], [0])  # a survivor alone now: y left
+    got = r.settled(store, generation=4, node=0, nnodes=1, run_id="job", spare_since=None, via="rendezvous")
+    assert got.change.left and got.nnodes == 1
+    again = r.settled(store, generation=5, node=0, nnodes=1, run_id="job", spare_since=None, via="rendezvous")
+    assert not again.change, "a change is reported by the round that made it, not again"
+    assert r.snoozed(float("inf")) is False  # the snooze ends; right after the scale-down it may hold
+    membership = [e for e in _events(tmp_path, "a") if e.get("event") == "membership"]
+    assert len(membership) == 1 and membership[0]["generation"] == 4
+
+
+def test_an_arrival_below_max_is_seen_once_the_round_settled(tmp_path: Path) -> None:
+    r = _rounds(tmp_path, "a", elastic=Elastic(1, 2))
+    store = dist.HashStore()
+    r.settled(store, generation=0, node=0, nnodes=1, run_id="job", spare_since=None, via="rendezvous")
+    assert not r.arrived(store, 1)
+    store.add(keys.ARRIVALS, 1)  # a spare passed the gate
+    assert r.arrived(store, 1)
+    assert not r.arrived(store, 2), "a job on its maximum takes no arrival"
+    assert not _rounds(tmp_path, "b").arrived(store, 1), "a job that is not elastic takes none"
+
+
+def test_lost_nodes_come_from_the_claim_or_the_verdict(tmp_path: Path) -> None:
+    r = _rounds(tmp_path, "a")
+    assert r.lost_nodes({"reason": "LostNode", "node": 2, "lost": [1, 2]}, None) == [1, 2]
+    assert r.lost_nodes({"reason": "LostNode", "node": 2}, None) == [2]
+    calls = iter([[], [], [3]])
+    assert r.lost_nodes({"reason": "Crash", "node": 0}, lambda: next(calls)) == [3]
+    assert r.lost_nodes({"reason": "Crash", "node": 0}, None) == []
+
+
+def test_the_survivors_regroup_without_a_round(tmp_path: Path) -> None:
+    """Nodes 0 and 2 of three survive node 1: each regroups through the store to ranks 0 and 1."""
+    store = dist.HashStore()
+    got: dict[int, tuple[bool, tuple[int, int] | None]] = {}
+    rounds = {n: _rounds(tmp_path, f"n{n}", elastic=Elastic(1, 3)) for n in (0, 2)}
+    for n, r in rounds.items():
+        r.members = {0: "id0", 1: "id1", 2: "id2"}
+
+    def one(n: int) -> None:
+        seen: list[tuple[int, int]] = []
+        ok = rounds[n].regroup({"reason": "LostNode", "node": 1, "lost": [1]}, 7, ctl=JobControl(store), node=n,
+                               nnodes=3, waiting=0, lost=None, assign=lambda _s, rank, world: seen.append((rank, world)))
+        got[n] = (ok, seen[0] if seen else None)
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in rounds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got == {0: (True, (0, 2)), 2: (True, (1, 2))}
+    assert rounds[2].members == {0: "id0", 1: "id2"}
+    r = rounds[0].settled(store, generation=8, node=0, nnodes=2, run_id="job", spare_since=None, via="regroup")
+    assert r.change.left == ["id1"] and r.via == "regroup"
+
+
+def test_no_regroup_for_a_job_that_is_not_elastic_or_a_membership_change(tmp_path: Path) -> None:
+    store = dist.HashStore()
+    fixed = _rounds(tmp_path, "a")
+    assert not fixed.regroup({"reason": "LostNode", "node": 1}, 0, ctl=JobControl(store), node=0, nnodes=2,
+                             waiting=0, lost=None, assign=lambda *_: pytest.fail("no assignment"))
+    el = _rounds(tmp_path, "b", elastic=Elastic(1, 2))
+    assert not el.regroup({"reason": "MembershipChange", "node": 1}, 0, ctl=JobControl(store), node=0, nnodes=2,
+                          waiting=0, lost=None, assign=lambda *_: pytest.fail("no assignment"))
+
+
+def test_a_survivor_never_waits_at_the_spare_gate_and_forget_makes_it_a_newcomer(tmp_path: Path) -> None:
+    r = _rounds(tmp_path, "a")
+    r.held_rank = 1
+    assert r.gate(object(), ready=lambda: True, generation=0, load_avoid=tuple) is None
+    r.forget()
+    assert r.held_rank is None
+    # a handler without a store or a maximum (not torch's c10d one) has no gate either
+    assert r.gate(object(), ready=lambda: True, generation=0, load_avoid=tuple) is None
