@@ -112,7 +112,7 @@ def test_the_survivors_regroup_without_a_round(tmp_path: Path) -> None:
     store = dist.HashStore()
     got: dict[int, tuple[bool, tuple[int, int] | None]] = {}
     rounds = {n: _rounds(tmp_path, f"n{n}", elastic=Elastic(1, 3)) for n in (0, 2)}
-    for n, r in rounds.items():
+    for r in rounds.values():
         r.members = {0: "id0", 1: "id1", 2: "id2"}
 
     def one(n: int) -> None:
