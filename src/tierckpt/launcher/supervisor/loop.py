@@ -28,7 +28,6 @@ import logging
 import shutil
 import socket
 import time
-import zlib
 from typing import Any, Protocol
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
@@ -41,23 +40,19 @@ from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
 from tierckpt.launcher.control.store import connect_client, store_errors
 from tierckpt.launcher.dataplane.host import NodeAgentHost, local_address
-from tierckpt.launcher.decide.diagnose import Diagnosis, Poll, diagnose
-from tierckpt.launcher.decide.escalation import Action, Decision, Fault
-from tierckpt.launcher.decide.faults import FaultRecord, Kind
+from tierckpt.launcher.decide.escalation import Action, Decision
 from tierckpt.launcher.decide.recovery import Step, after_stop, barrier_all
 from tierckpt.launcher.detect.busyboard import BusyBoard
 from tierckpt.launcher.detect.detectors import Detectors
 from tierckpt.launcher.detect.hang import Profile
 from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
-from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost, tag
+from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost
 from tierckpt.launcher.inprocess.restarts import InProcessRestarts
 from tierckpt.launcher.membership.avoid import KeepOut
 from tierckpt.launcher.membership.change import (
     MEMBERSHIP_CHANGE,
     missing_nodes,
-    prior_restarts,
-    restart_history,
 )
 from tierckpt.launcher.membership.rdzvwait import RendezvousProgress
 from tierckpt.launcher.membership.rounds import Rounds
@@ -69,12 +64,11 @@ from tierckpt.launcher.membership.spares import (
     publish_nodes,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
-from tierckpt.launcher.supervisor import runstate as restart_state
-from tierckpt.launcher.supervisor.runstate import RunState
+from tierckpt.launcher.supervisor.findings import Findings, View
+from tierckpt.launcher.supervisor.ledger import Ledger, fault_of
 from tierckpt.launcher.workers.launch import static_env
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.runner import Workers, free_master_port
-from tierckpt.monitor import NON_FINITE_LOSS
 
 __all__ = ["Supervisor", "TorchHooks"]
 
@@ -113,11 +107,8 @@ class Supervisor:
         self.agent = agent  # torch's LocalElasticAgent (supervisor/torch_agent.py): the only way to torch's hooks
         self.opts = opts
         self.generation = 0
-        self.full_restarts = 0
         self.exit_code = 0
         self.failure: str | None = None  # the one-line reason of a LAUNCHER_ERROR_EXIT (cli.py prints it)
-        self.resumed_step: int | None = None
-        self._gen_started = time.time()
         self._ctl: JobControl | None = None
         self._liveness: Liveness | None = None
         self._claims: ClaimWatch | None = None  # another node's claim, pushed by the store (claimwatch.py)
@@ -130,23 +121,17 @@ class Supervisor:
                                warm=opts.warm, stop_grace_s=opts.stop_grace_s, events=self.events, reaper=reaper)
         # heartbeats, /proc evidence, where idle ranks wait, log rules (detect/detectors.py)
         self._detectors = Detectors(opts.heartbeat, opts.run_policy.log_rules, self.workers.beat_dir)
+        self.findings = Findings(self._detectors, self.events, node_timeout_s=opts.node_timeout_s)  # findings.py
         self._inproc = InProcessRestarts(self.events)  # workers under tierckpt.resilient (inprocess/restarts.py)
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
         # the node agent: hosted, its peers discovered, prefetch and flush (dataplane/host.py)
         self._host = NodeAgentHost(opts.agent, self.events, across_hosts=opts.agent_across_hosts)
-        self._job_started = time.time()  # activeDeadlineSeconds counts from here (kept in the state file)
-        self._history: list[Fault] = []  # claimed faults of this incarnation, refreshed at each recovery
+        # restart accounting and the state file (supervisor/ledger.py)
+        self.ledger = Ledger(opts, lambda: self.wg.spec.rdzv_handler.get_run_id())
         self._store_addr: tuple[str, int] | None = None
         self.rounds = Rounds(opts, self.events)  # membership: gate, round, regroup, offenders (membership/rounds.py)
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
-        self._restarts = 0  # restarts in all, as of the last decision (kept in the state file)
-        self._changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
-        self._changes = 0  # ... and of this one, as of the last decision
-        self._unhealthy_before = 0  # the backoff streak this incarnation began with (escalation.py; state file)
-        self._woke_at: float | None = None  # when a child's exit (SIGCHLD) ended the last wait
-        self._held_since: float | None = None  # a symptom's settle window began (decide/diagnose.py)
-        self._polled_at = time.monotonic()  # the poll before the current one
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
 
 
@@ -155,18 +140,11 @@ class Supervisor:
         """torch's worker group of this agent (its spec, workers, store, group rank)."""
         return self.agent._worker_group
 
-    # ---- state kept beside the memory tier (survives a full job restart; state.py) ----
-    def _load_state(self) -> RunState:
-        return RunState.from_dict(restart_state.load(self.opts, self.wg.spec.rdzv_handler.get_run_id()))
-
+    # ---- state kept beside the memory tier (survives a full job restart; ledger.py) ----
     def _save_state(self, next_generation: int, full_restarts: int) -> None:
-        streak = self.opts.escalation.unhealthy_streak(self._history, self._unhealthy_before) \
-            if full_restarts > self.full_restarts else self._unhealthy_before  # the next incarnation's
-        state = RunState(next_generation=next_generation, full_restarts=full_restarts,
-                         job_started=self._job_started, hang=self._learn().to_dict(), restarts=self._restarts,
-                         resume_before=self.resume_before, membership_changes=self._changes_before + self._changes,
-                         offenses=self.rounds.offenders.remembered, avoid=tuple(self.rounds.avoid_next), unhealthy_before=streak)
-        problem = restart_state.save(self.opts, self.wg.spec.rdzv_handler.get_run_id(), state.to_dict())
+        problem = self.ledger.save(next_generation, full_restarts, hang=self._learn().to_dict(),
+                                   resume_before=self.resume_before, offenses=self.rounds.offenders.remembered,
+                                   avoid=self.rounds.avoid_next)
         if problem is not None:
             self.events.emit("warning", generation=self.generation, what=problem)
 
@@ -195,7 +173,7 @@ class Supervisor:
         handler = wg.spec.rdzv_handler
         # a job running on its maximum of nodes: stand by until a seat opens
         gated = self.rounds.gate(handler, ready=self.workers.workers_ready, generation=self.generation,
-                                 load_avoid=lambda: self._load_state().avoid)
+                                 load_avoid=lambda: self.ledger.load().avoid)
         with RendezvousProgress(handler, self.opts.rdzv_endpoint or "the rendezvous"), \
                 SpareWatch(handler, lambda n: self.rounds.standing_by(n, self.generation)) as spare:
             self.agent.torch_rendezvous(wg)
@@ -204,15 +182,12 @@ class Supervisor:
         store = wg.store
         job_store: Any = getattr(store, "underlying_store", store)
         self._ctl = JobControl(job_store)
-        st = self._load_state()
+        st = self.ledger.load()
         self._detectors.learned.merge(Profile.from_dict(st.hang))
-        if st.job_started is not None:
-            self._job_started = min(self._job_started, st.job_started)
         resume.offer(job_store, st.next_generation, st.resume_before)
-        self.generation, self.full_restarts = self.ctl.join(
+        self.generation, full_restarts = self.ctl.join(
             store, self.nnodes, local_next=st.next_generation, local_full=st.full_restarts)
-        self._changes_before = self.ctl.agree_max(keys.MEMBERSHIP_CHANGES, st.membership_changes)
-        self._unhealthy_before = self.ctl.agree_max(keys.UNHEALTHY_BEFORE, st.unhealthy_before)
+        self.ledger.joined(st, self.ctl, full_restarts)
         self.rounds.after_round(job_store, st.offenses, st.avoid)  # the last full restart's avoid list
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
@@ -285,11 +260,9 @@ class Supervisor:
 
     # ---- workers ----
     def _arm_detectors(self, wg: WorkerGroup) -> None:
-        self._gen_started = time.time()
-        outputs = (self.workers.ctx.stdouts, self.workers.ctx.stderrs) if self.workers.ctx is not None else ()
-        self._detectors.arm([w.local_rank for w in wg.workers], outputs, time.monotonic())
+        ctx = self.workers.ctx
+        self.findings.arm([w.local_rank for w in wg.workers], (ctx.stdouts, ctx.stderrs) if ctx is not None else ())
         self._past_marked = False
-        self._held_since = None
 
     def _watch_resume(self) -> None:
         """Tell the store once per generation that this node's ranks moved past the resume bound."""
@@ -302,139 +275,35 @@ class Supervisor:
 
     def _report_recovery(self) -> None:
         """``recovered``: every local rank of the restarted generation took its first step (beat)."""
-        if self._recovering is None or not self._all_beat():
+        if self._recovering is None or not self.findings.all_beat():
             return
         recovery = time.monotonic() - self._recovering
         self._recovering = None
         self.events.recovery.set(recovery)
         self.events.downtime.inc(recovery)
         self.events.emit("recovered", generation=self.generation, recovery_s=round(recovery, 3),
-                         step=self._progress())
+                         step=self.findings.progress())
 
     def _rearm_trackers(self) -> None:
-        """After an in-process restart: the steps went back and paused, as at a start."""
-        self._detectors.rearm(time.monotonic())
-        self._gen_started = time.time()
+        self.findings.rearm()
 
     def _stop_now(self) -> None:
         self.workers.stop()
 
-    # ---- detection: every detector's evidence, then one diagnosis (decide/diagnose.py) ----
+    # ---- detection: every detector's evidence, then one diagnosis (findings.py) ----
     def _detect(self, result: RunResult) -> dict[str, Any] | None:
         """The claim to make at this poll (None: nothing, or a symptom waiting for its cause)."""
-        now = time.monotonic()
-        records = self._evidence(result, now)
-        live = self._liveness
-        d = diagnose(records, Poll(node=self.node, now=now, quiet=live.quiet() if live is not None else {},
-                                   lost=tuple(self._lost_now()), held_since=self._held_since))
-        self._held_since = d.held_since
-        return None if d.cause is None else self._claim_of(d)
-
-    def _evidence(self, result: RunResult, now: float) -> list[FaultRecord]:
-        """What each detector sees at this poll, as typed records (decide/faults.py)."""
-        wg = self.wg
-        by_local = {w.local_rank: w.global_rank for w in wg.workers}
-        out: list[FaultRecord] = []
-        late = self._deadline_passed()
-        if late is not None:
-            out.append(FaultRecord(kind=Kind.DEADLINE, reason=late[0], detail=late[1]))
-        det = self._detectors
-        if result.state == WorkerState.FAILED:
-            dog = self.agent.watchdog
-            outputs = (self.workers.ctx.stderrs, self.workers.ctx.stdouts) if self.workers.ctx is not None else ()
-            # a child's exit wakes the agent (SIGCHLD): detected then; else within the last poll
-            out.append(det.crash(result.failures, outputs, expired=dog.expired if dog is not None else None,
-                                 since=self._woke_at if self._woke_at is not None else self._polled_at))
-        else:
-            out.extend(det.silent(now, generation=self.generation, nnodes=self.nnodes, ranks=by_local,
-                                  pids=self.workers.ctx.pids() if self.workers.ctx else {}))
-            self._report_calibration()
-        if self._liveness is not None:
-            if self._liveness.store_error is not None:
-                out.append(FaultRecord(kind=Kind.LOST_STORE, reason="LostStore", detail=self._liveness.store_error,
-                                       since=now))
-            lost = self._lost_now()
-            if lost:
-                out.append(FaultRecord(kind=Kind.LOST_NODE, reason="LostNode", node=lost[0], lost=tuple(sorted(lost)),
-                                       detail=f"agent(s) of node {lost} silent for {self.opts.node_timeout_s:g}s",
-                                       since=now - self.opts.node_timeout_s))
-        if not self.rounds.snoozed(now) and \
-                (wg.spec.rdzv_handler.num_nodes_waiting() > 0 or self.rounds.arrived(self._ctl.store if self._ctl else None,
-                                                                                    self.nnodes)):
-            out.append(FaultRecord(kind=Kind.ARRIVAL, reason=MEMBERSHIP_CHANGE,
-                                   detail="a new agent is waiting in the rendezvous", since=now))
-        return out
-
-    def _claim_of(self, d: Diagnosis) -> dict[str, Any]:
-        """The claim of a diagnosis's cause: today's claim keys, the diagnosis and its evidence."""
-        c = d.cause
-        if c is None:
-            raise ValueError("a diagnosis without a cause has no claim")
-        rec = self._record(str(c.reason), c.rank, c.detail, since=c.since, node=c.node)
-        if c.lost:
-            rec["lost"] = list(c.lost)
-        if c.kind is Kind.STOPPED:
-            rec["stopped"] = True  # no in-process restart can reach a stopped process (replace.route)
-        if c.symptom is not None:
-            rec["symptom"] = c.symptom
-        if d.settle_s is not None:
-            rec["settle_s"] = d.settle_s
-        rec["diagnosis"] = {"cause": c.kind.value, "why": d.why, "evidence": [r.summary() for r in d.evidence]}
-        return rec
-
-    def _deadline_passed(self) -> tuple[str, str] | None:
-        """activeDeadlineSeconds / faultDeadlineSeconds (escalation.py) at this poll."""
-        pol = self.opts.escalation
-        if pol.active_deadline_s is None and pol.fault_deadline_s is None:
-            return None
-        recovered = self._all_beat() or \
-            time.time() - self._gen_started >= pol.stable_after_s
-        return pol.deadline_fault(time.time(), job_started=self._job_started, history=self._history,
-                                  recovered=recovered)
-
-    def _report_calibration(self) -> None:
-        fields = self._detectors.calibration()
-        if fields is None:
-            return
-        self.events.hb_timeout.set(fields["heartbeat_timeout_s"])
-        self.events.emit("timeout", generation=self.generation, **fields)
-
-    def _all_beat(self) -> bool:
-        """Every local worker of this generation has sent its first heartbeat."""
-        return self._detectors.all_beat()
-
-    def _progress(self) -> int | None:
-        return self._detectors.progress()
-
-    def _resumed_step(self) -> int | None:
-        """The step this generation resumed from: the one before the first step any local rank beat
-        (escalation.py counts a generation's progress from it)."""
-        if self.resumed_step is not None:
-            return self.resumed_step
-        first = self._detectors.first_step()
-        return None if first is None else first - 1
-
-    def _nan_step(self) -> int | None:
-        """The lowest step at which a local rank beat a non-finite loss this generation, if any."""
-        return self._detectors.nan_step()
-
-    def _record(self, reason: str, rank: int | None, detail: str, *, since: float | None,
-                node: int | None = None) -> dict[str, Any]:
-        now = time.monotonic()
-        nan_step = self._nan_step() if reason == NON_FINITE_LOSS else None
-        return {
-            "generation": self.generation, "time": time.time(), "generation_started": self._gen_started,
-            "reason": reason, "node": self.node if node is None else node, "rank": rank,
-            "detail": detail, "first_beat": self._all_beat(),
-            # a non-finite loss: the step of the first non-finite beat seen (a NaN that comes back
-            # at that step is no progress, however far the worker ran before the poll); the next
-            # generations resume below it
-            "step": nan_step if nan_step is not None else self._progress(),
-            "resumed_step": self._resumed_step(),
-            "resume_before": nan_step,
-            # from the last sign of life (a crash: the SIGCHLD wake-up) to now
-            "detection_latency_s": None if since is None else round(max(0.0, now - since), 3),
-        }
+        wg, ctx, dog = self.wg, self.workers.ctx, self.agent.watchdog
+        arrival = not self.rounds.snoozed(time.monotonic()) and (
+            wg.spec.rdzv_handler.num_nodes_waiting() > 0 or
+            self.rounds.arrived(self._ctl.store if self._ctl else None, self.nnodes))
+        view = View(generation=self.generation, node=self.node, nnodes=self.nnodes,
+                    ranks={w.local_rank: w.global_rank for w in wg.workers}, pids=self.workers.pids(),
+                    outputs=(ctx.stderrs, ctx.stdouts) if ctx is not None else (),
+                    expired=dog.expired if dog is not None else None, arrival=arrival,
+                    deadline=self.ledger.deadline(time.time(), generation_started=self.findings.generation_started,
+                                                  all_beat=self.findings.all_beat))
+        return self.findings.detect(result, view, self._liveness)
 
     # ---- the loop ----
     def _failed(self, exc: Exception) -> None:
@@ -483,7 +352,7 @@ class Supervisor:
             # a worker's exit (SIGCHLD) ends the wait at once (wake.py); so does another node's
             # claim (claimwatch.py: the store wakes a thread that wakes this loop)
             woke = self._waker.wait(spec.monitor_interval)
-            self._woke_at = time.monotonic() if woke else None
+            self.findings.woke(woke)
             result = self.agent._monitor_workers(wg)
             wg.state = result.state
             self.workers.refill(self.generation)
@@ -499,7 +368,7 @@ class Supervisor:
                     pass
                 self.events.emit("exit", generation=self.generation, code=0)
                 return result
-            progress = self._progress()
+            progress = self.findings.progress()
             if progress is not None:
                 self.events.step.set(progress)
             self._watch_resume()
@@ -510,7 +379,6 @@ class Supervisor:
             claimed = self.ctl.claimed(self.generation) if claims is None or claims.due(self.generation) else None
             if claimed is None:
                 local = self._detect(result)
-                self._polled_at = time.monotonic()
                 if local is None:  # nothing, or a symptom held for its cause (a peer's own claim is due first)
                     continue
                 claimed = self.ctl.claim(self.generation, self._tagged(local))
@@ -527,7 +395,7 @@ class Supervisor:
     def _start_workers_logged(self, wg: WorkerGroup) -> None:
         self.start_workers(wg)
         self.workers.launched(wg, store=self._store_addr, generation=self.generation, node=self.node,
-                              generation_started=self._gen_started, resumed_step=self.resumed_step,
+                              generation_started=self.findings.generation_started, resumed_step=self.findings.resumed_step,
                               events=self.opts.events_path)
 
     def _recover(self, fault: dict[str, Any]) -> RunResult | None:
@@ -551,14 +419,13 @@ class Supervisor:
             return None
         self._stop_now()
         self.events.emit("stopped", generation=g, ranks=[w.global_rank for w in wg.workers])
-        resume.offer_non_finite(self.ctl.store, g, self._nan_step())
+        resume.offer_non_finite(self.ctl.store, g, self.findings.nan_step())
         self.ctl.stopped(g)
-        claims = [_fault_of(r) for r in self.ctl.history(g)]
-        self._count(claims)
+        claims = [fault_of(r) for r in self.ctl.history(g)]
+        self.ledger.count(claims)
         self.rounds.record(self.ctl.store, g, fault)  # by node identity (avoid.py)
-        self._changes = len(claims) - len(self._history)
         decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
-            if fault.get("reason") == MEMBERSHIP_CHANGE else self._decide(claims, g)
+            if fault.get("reason") == MEMBERSHIP_CHANGE else self.ledger.decide(claims, g)
         lost_now = self._lost_now()  # counted lost meanwhile (the fault itself may be a survivor's symptom)
         all_here = barrier_all(str(fault.get("reason")), lost_now) and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
@@ -572,7 +439,7 @@ class Supervisor:
         plan = after_stop(fault, decision, me=self.node, all_here=all_here, keep_out=out.ranks)  # decide/recovery.py
         if plan.step is Step.FINISH:
             return self._finish(decision, all_here)
-        self._save_state(g + 1, self.full_restarts)
+        self._save_state(g + 1, self.ledger.full_restarts)
         if decision.delay_s > 0:
             self.events.emit("backoff", generation=g, delay_s=round(decision.delay_s, 3), why=decision.reason)
             time.sleep(decision.delay_s)
@@ -583,7 +450,7 @@ class Supervisor:
             self.events.emit("warning", generation=g, what="re-rendezvous: waiting for the nodes to rejoin")
             open_seats(self.ctl.store, g, self.node,
                        missing_nodes(fault, self.nnodes, self.ctl.stopped_count(g)) + plan.kept_out)
-            self._save_state(g + 1, self.full_restarts)
+            self._save_state(g + 1, self.ledger.full_restarts)
             if plan.step is Step.STAND_ASIDE:
                 ended = self._stand_aside(g)
                 if ended is not None:
@@ -613,26 +480,10 @@ class Supervisor:
         return self._liveness.lost() if self._liveness is not None else []
 
     def _tagged(self, record: dict[str, Any]) -> dict[str, Any]:
-        """A local crash, marked for a replacement alone when the workers allow it and the escalation
-        decision (on the history as it will be once claimed) restarts (replace.py)."""
+        """A local crash, marked for a replacement alone when the workers allow it (ledger.tagged)."""
         if record.get("reason") != "Crash" or not self._inproc.replaceable:
             return record
-        g = self.generation
-        claims = [_fault_of(r) for r in self.ctl.history(g - 1)] + [_fault_of(record)]
-        return tag(record, replaceable=True, decision=self._decide(claims, g))
-
-    def _decide(self, claims: list[Fault], g: int) -> Decision:
-        """The escalation decision on the claims up to generation ``g`` (membership changes cost
-        no restart); the same on every node: same history, same seed."""
-        return self.opts.escalation.decide(
-            restart_history(claims), full_restarts=self.full_restarts,
-            prior_restarts=prior_restarts(claims, self._changes_before), unhealthy_before=self._unhealthy_before,
-            seed=zlib.crc32(f"{self.wg.spec.rdzv_handler.get_run_id()}:{g}".encode()))
-
-    def _count(self, claims: list[Fault]) -> None:
-        """The restart history and the restarts in all as of ``claims`` (kept in the state file)."""
-        self._history = restart_history(claims)
-        self._restarts = prior_restarts(claims, self._changes_before) + len(self._history)
+        return self.ledger.tagged(record, self.generation, self.ctl)
 
     def _replace_alone(self, fault: dict[str, Any], g: int, t_detect: float) -> bool:
         """This node's worker died under the wrapper: one replacement process joins the survivors'
@@ -642,7 +493,7 @@ class Supervisor:
         if fault.get("kind") != REPLACE or fault.get("node") != self.node or lr is None or \
                 not self.workers.replaceable():
             return False
-        self._count([_fault_of(r) for r in self.ctl.history(g)])
+        self.ledger.count([fault_of(r) for r in self.ctl.history(g)])
         if float(fault.get("delay_s") or 0.0) > 0:
             self.events.emit("backoff", generation=g, delay_s=round(float(fault["delay_s"]), 3), why=fault.get("why"))
             time.sleep(float(fault["delay_s"]))
@@ -653,7 +504,7 @@ class Supervisor:
             self.events.emit("warning", generation=g, what=f"the replacement of rank {fault.get('rank')} (pid {pid}) "
                              "did not join the survivors in time: restarting every process")
             return False
-        self._save_state(g + 1, self.full_restarts)
+        self._save_state(g + 1, self.ledger.full_restarts)
         self.generation = g + 1
         self._rearm_trackers()
         self._recovering = t_detect  # ``recovered``: at the first beat of every local rank
@@ -667,11 +518,11 @@ class Supervisor:
         if all_here:  # the store's host must not leave while the others still read it
             self._barrier(keys.exited(g), timeout=30.0)
         if decision.action == Action.FULL_RESTART:
-            self._save_state(g + 1, self.full_restarts + 1)
+            self._save_state(g + 1, self.ledger.full_restarts + 1)
             self.events.emit("restart", generation=g, kind="job", why=decision.reason)
             self.exit_code = FULL_RESTART_EXIT
         else:
-            self._save_state(g + 1, self.full_restarts)
+            self._save_state(g + 1, self.ledger.full_restarts)
             self.exit_code = 1
         self.events.emit("exit", generation=g, code=self.exit_code, why=decision.reason)
         self.wg.state = WorkerState.FAILED
@@ -778,9 +629,3 @@ class Supervisor:
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:
     """``{"kind": "replace"}`` for a crash tagged for a replacement alone, else nothing."""
     return {"kind": fault["kind"]} if fault.get("kind") == REPLACE else {}
-
-
-def _fault_of(rec: dict[str, Any]) -> Fault:
-    return Fault(generation=int(rec["generation"]), time=float(rec["time"]),
-                 generation_started=float(rec["generation_started"]), reason=str(rec["reason"]),
-                 first_beat=bool(rec["first_beat"]), step=rec.get("step"), resumed_step=rec.get("resumed_step"))
