@@ -17,7 +17,7 @@ from torch.distributed.elastic.agent.server.api import RunResult, WorkerState
 
 from tierckpt import monitor, workerenv
 from tierckpt.launcher.control.jobcontrol import JobControl
-from tierckpt.launcher.decide.escalation import Action, EscalationPolicy, Fault
+from tierckpt.launcher.decide.escalation import Action, EscalationPolicy
 from tierckpt.launcher.detect.detectors import Detectors
 from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.events import Events
@@ -65,7 +65,7 @@ def test_the_state_file_carries_the_counts_to_the_next_incarnation(tmp_path: Pat
     assert Ledger(RunOptions(memory_dir=str(tmp_path / "other")), lambda: "job").load().next_generation == 0
 
 
-def test_every_node_agrees_on_the_largest_counts(tmp_path: Path) -> None:
+def test_every_node_agrees_on_the_largest_counts_whoever_offers_last(tmp_path: Path) -> None:
     store = dist.HashStore()
     opts = RunOptions(memory_dir=str(tmp_path))
     ledgers = [Ledger(opts, lambda: "job") for _ in range(2)]
@@ -74,7 +74,15 @@ def test_every_node_agrees_on_the_largest_counts(tmp_path: Path) -> None:
 
     states = [replace(states[0], membership_changes=1, unhealthy_before=0),
               replace(states[1], membership_changes=4, unhealthy_before=2, job_started=100.0)]
-    threads = [threading.Thread(target=ledgers[i].joined, args=(states[i], JobControl(store), 3)) for i in (0, 1)]
+    def one(i: int) -> None:  # the supervisor's order around the round's join barrier
+        ctl = JobControl(store)
+        if i == 1:
+            time.sleep(0.3)  # the node that remembers more offers last
+        ledgers[i].offer(states[i], ctl)
+        _, full = ctl.join(dist.PrefixStore("round/", store), 2, local_next=0, local_full=3)
+        ledgers[i].joined(states[i], ctl, full)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:

@@ -6,7 +6,8 @@ Call order (the supervisor, loop.py):
 
     Ledger(opts, run_id)
     load() -> RunState                   # before and after each rendezvous round (runstate.py)
-    joined(st, ctl, full_restarts)       # after the round: agree with the other nodes (max of each count)
+    offer(st, ctl)                       # after the round, before JobControl.join (the barrier)
+    joined(st, ctl, full_restarts)       # after it: the counts every node agreed on (max of each)
     count(claims); decide(claims, g)     # a fault, after the stop barrier: the same on every node
     tagged(record, g, ctl)               # a local crash that one replacement process may serve (replace.py)
     save(next_generation, full_restarts, ...) -> problem or None   # at every restart and exit
@@ -55,13 +56,21 @@ class Ledger:
     def load(self) -> RunState:
         return RunState.from_dict(runstate.load(self.opts, self._run_id()))
 
+    def offer(self, st: RunState, ctl: JobControl) -> None:
+        """Before the round's join barrier (``JobControl.join``): this node's counts from its state
+        file, raised into the job's (the highest any node remembers wins)."""
+        ctl.agree_max(keys.MEMBERSHIP_CHANGES, st.membership_changes)
+        ctl.agree_max(keys.UNHEALTHY_BEFORE, st.unhealthy_before)
+
     def joined(self, st: RunState, ctl: JobControl, full_restarts: int) -> None:
-        """After a rendezvous round: the job's start from the state file, and the counts every node agrees on."""
+        """After the join barrier: the job's start from the state file, and the counts every node
+        offered, so every node reads the same (read before the barrier, a node that offered first
+        could miss a higher count offered after it, and decide on another history)."""
         self.full_restarts = full_restarts
         if st.job_started is not None:
             self.job_started = min(self.job_started, st.job_started)
-        self.changes_before = ctl.agree_max(keys.MEMBERSHIP_CHANGES, st.membership_changes)
-        self.unhealthy_before = ctl.agree_max(keys.UNHEALTHY_BEFORE, st.unhealthy_before)
+        self.changes_before = ctl.get_int(keys.MEMBERSHIP_CHANGES)
+        self.unhealthy_before = ctl.get_int(keys.UNHEALTHY_BEFORE)
 
     def count(self, claims: list[Fault]) -> None:
         """The restart history and the restarts in all as of ``claims`` (kept in the state file);

@@ -185,6 +185,7 @@ class Supervisor:
         st = self.ledger.load()
         self._detectors.learned.merge(Profile.from_dict(st.hang))
         resume.offer(job_store, st.next_generation, st.resume_before)
+        self.ledger.offer(st, self.ctl)  # before the barrier: every node reads every offer after it
         self.generation, full_restarts = self.ctl.join(
             store, self.nnodes, local_next=st.next_generation, local_full=st.full_restarts)
         self.ledger.joined(st, self.ctl, full_restarts)
