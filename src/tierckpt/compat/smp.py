@@ -41,9 +41,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from tierckpt.config import DEFAULT_MEMORY_DIR, CheckpointConfig, S3Settings, launcher_settings, validate_namespace
+from tierckpt.config import (
+    DEFAULT_MEMORY_DIR,
+    CheckpointConfig,
+    S3Settings,
+    launcher_settings,
+    validate_namespace,
+)
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.dcp.writer import TieredStorageWriter
 from tierckpt.errors import ConfigError
@@ -151,7 +159,7 @@ def async_save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[s
     """Save ``state_dict`` to ``checkpoint_id`` in the background (returns once it is staged)."""
     _refuse(unsupported, "async_save")
     writer = _writer(checkpoint_id, process_group, coordinator_rank, step, memory_dir, s3)
-    future: Future[Any] = dcp.async_save(state_dict, storage_writer=writer, process_group=process_group)  # type: ignore[assignment]
+    future: Future[Any] = dcp_async_save(state_dict, storage_writer=writer, process_group=process_group)  # type: ignore[assignment]
     _pending.append(future)
     return future
 
@@ -161,7 +169,7 @@ def save(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | 
          step: int | None = None, memory_dir: str | None = None, s3: S3Settings | None = None) -> int:
     """Save ``state_dict`` to ``checkpoint_id`` now; returns the step it became."""
     writer = _writer(checkpoint_id, process_group, coordinator_rank, step, memory_dir, s3)
-    dcp.save(state_dict, storage_writer=writer, process_group=process_group)
+    dcp_save(state_dict, storage_writer=writer, process_group=process_group)
     return writer.step
 
 
@@ -192,19 +200,21 @@ class DistributedFileSystemReader(TieredStorageReader):
 
 def load(state_dict: dict[str, Any], *, checkpoint_id: str | os.PathLike[str] | None = None,
          storage_reader: Any = None, process_group: dist.ProcessGroup | None = None,
-         coordinator_rank: int = 0, planner: Any = None, **unsupported: Any) -> None:
+         coordinator_rank: int = 0, planner: Any = None, memory_dir: str | None = None,
+         s3: S3Settings | None = None, **unsupported: Any) -> None:
     """Load ``checkpoint_id`` (or ``storage_reader``'s) into ``state_dict`` in place."""
     _refuse(unsupported, "load")
     _check_coordinator(process_group, coordinator_rank)
     if storage_reader is None:
         if checkpoint_id is None:
             raise ConfigError("load needs checkpoint_id= or storage_reader=DistributedFileSystemReader(checkpoint_id)")
-        storage_reader = DistributedFileSystemReader(checkpoint_id, process_group=process_group)
+        storage_reader = DistributedFileSystemReader(checkpoint_id, process_group=process_group,
+                                                     memory_dir=memory_dir, s3=s3)
     elif isinstance(storage_reader, TieredStorageReader) and storage_reader.group is None:
         storage_reader.group = process_group
         if process_group is not None:
             storage_reader.rank = dist.get_rank(process_group)
-    dcp.load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group)
+    dcp_load(state_dict, storage_reader=storage_reader, planner=planner, process_group=process_group)
 
 
 def init_optim_state(optimizer: torch.optim.Optimizer, skip_empty_param: bool = False) -> None:
