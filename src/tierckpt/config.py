@@ -51,6 +51,9 @@ class _Unset(str):
 
 _NO_NAMESPACE = _Unset("")
 _MEMORY_DIR_DEFAULT = _Unset(DEFAULT_MEMORY_DIR)
+#: a ``memory_dir`` default for configs that build a CheckpointConfig (the compat APIs): it reads
+#: as /dev/shm/tierckpt and still counts as unset, so ``tierckpt run --memory-dir`` applies
+MEMORY_DIR_UNSET: str = _MEMORY_DIR_DEFAULT
 _NO_DURABLE = _Unset("")  # durable_url left unset: the launcher's, else None (explicit None: memory only)
 _replacing: ContextVar[bool] = ContextVar("tierckpt_config_replacing", default=False)
 

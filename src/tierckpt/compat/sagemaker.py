@@ -36,6 +36,7 @@ from torch.futures import Future
 from tierckpt import metrics
 from tierckpt.compat.legacy import CHECKPOINT_FILE, METADATA_FILE, LegacySource, SageMakerStorageInfo
 from tierckpt.compat.sagemaker_config import (
+    CheckpointConfig,
     SageMakerCheckpointConfig,
     SageMakerInMemoryTierError,
     SageMakerS3TierError,
@@ -61,6 +62,7 @@ from tierckpt.errors import (
 from tierckpt.observability import StepLogger
 
 __all__ = [
+    "CheckpointConfig",
     "DefaultS3PathStrategy",
     "RayS3PathStrategy",
     "S3PathStrategy",
@@ -93,7 +95,8 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
     ``checkpoint_id`` given to ``dcp.save`` (the seed's docs' "basic writer"); a save with none of
     them fails with the same error. ``config=`` is accepted for ``checkpoint_config=``.
     Every save goes to the memory tier; it also goes to S3 when ``checkpoint_config.save_to_s3``
-    is set at construction, in the layout ``checkpoint_config.s3_layout`` names.
+    is set at construction or its ``s3_every_n_steps`` divides the step, in the layout
+    ``checkpoint_config.s3_layout`` names.
 
     Call order (DCP): ``reset(checkpoint_id)`` → ``set_up_storage_writer`` → plans →
     ``write_data`` on every rank (memory, then with ``s3_layout="sagemaker"`` this rank's
@@ -110,13 +113,21 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         # seed; only with no path at all does the step wait for dcp.save's checkpoint_id
         resolved = None if step == -1 and path is None else parse_step(path, step)
         self.sagemaker_layout = checkpoint_config.s3_layout == "sagemaker"
-        self.save_to_s3 = bool(checkpoint_config.save_to_s3)
-        super().__init__(to_tierckpt(checkpoint_config), step=resolved,
-                         durable=self.save_to_s3 and not self.sagemaker_layout)
+        # read once, here: changing the config for the next step cannot affect this save
+        self._s3_always, self._s3_every = bool(checkpoint_config.save_to_s3), checkpoint_config.s3_every_n_steps
+        super().__init__(to_tierckpt(checkpoint_config), step=resolved)
         self.path = path  # as given (shown in the seed's "Invalid step value" message)
         self.stage_before_step = resolved is None  # async_save's checkpoint_id arrives after staging
         self.checkpoint_config = checkpoint_config
         self._sink: Any = None
+        self.save_to_s3 = False
+        self._decide_s3()
+
+    def _decide_s3(self) -> None:
+        """``save_to_s3`` for this writer's step (``s3_every_n_steps`` needs the step)."""
+        step = self._step
+        self.save_to_s3 = self._s3_always or (step is not None and self._s3_every > 0 and step % self._s3_every == 0)
+        self.durable_requested = self.save_to_s3 and not self.sagemaker_layout
 
     @property
     def step(self) -> int:
@@ -155,6 +166,7 @@ class SageMakerTieredStorageWriter(TieredStorageWriter):
         """An explicit step (or a path with one) wins; else ``checkpoint_id`` names it (seed rule)."""
         if checkpoint_id is not None and self._step is None:
             self._step = parse_step(checkpoint_id, -1)
+            self._decide_s3()
         super().reset(None)
 
     def _s3_sink(self) -> Any:

@@ -1,0 +1,1 @@
+"""tierckpt alias: the checkpointing modules."""

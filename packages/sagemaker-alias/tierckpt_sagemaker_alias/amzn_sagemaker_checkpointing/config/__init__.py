@@ -1,0 +1,1 @@
+"""tierckpt alias: the configuration modules."""
