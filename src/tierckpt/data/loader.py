@@ -8,6 +8,7 @@ batch delivered, so a step saved after consuming batch n resumes at batch n + 1,
 Call order (the training process, each rank):
 
     loader = ResumableLoader(dataset, batch_size=32, seed=0, num_workers=4)   # once per process
+    loader.start()                    # optional: the workers fork now, before the process group
     state = {"model": ..., "data": tierckpt.data.item(loader)}                 # one item per rank
     start = ck.load(state)            # repositions the loader (load_state_dict) when a step exists
     for batch in loader:              # the rest of the current epoch; the next epoch starts when
@@ -104,6 +105,15 @@ class ResumableLoader:
     def _build(self) -> DataLoader[Any]:
         return DataLoader(self.dataset, batch_size=self.batch_size, sampler=self.sampler, generator=self._seeds,
                           **self._options)
+
+    def start(self) -> None:
+        """Fork the worker processes now (``num_workers > 0``; else nothing): call it before
+        ``init_process_group`` and ``ck.load``, so the workers inherit no sockets of the group and
+        are up, and loading, by the time the loop asks for its first batch (the next ``iter``
+        repositions them)."""
+        if self._options["num_workers"] > 0:
+            iter(self._loader)
+            self._token += 1
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its first batch, unless the loader is in it already (a resumed epoch)."""
