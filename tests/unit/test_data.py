@@ -232,3 +232,17 @@ def test_a_stateful_dataloader_round_trips_through_its_item(files: FileDataset, 
     assert _equal(got, want)
     with Checkpointer(_cfg(shm_root)) as ck, pytest.raises(LoaderStateMismatchError, match="only a tierckpt.data"):
         ck.load({"data": item(make(), rank=0, world_size=2)})
+
+
+def test_workers_started_ahead_are_kept_and_serve_the_loaded_position(files: FileDataset) -> None:
+    loader = ResumableLoader(files, batch_size=4, seed=7, rank=0, world_size=2, num_workers=2)
+    loader.start()  # they warm up on the batches of epoch 0, which the loop never sees
+    it = loader._loader._iterator  # type: ignore[union-attr]
+    assert it is not None and len(it._workers) == 2
+    pids = {p.pid for p in it._workers}
+    loader.load_state_dict({**loader.state_dict(), "epoch": 2, "taken": 8})
+    got = _batches(iter(loader), 3)
+    assert {p.pid for p in loader._loader._iterator._workers} == pids  # type: ignore[union-attr]
+    share = EpochOrder(length=N, seed=7).share(2, base=0, world_size=2, rank=0)[8:20]
+    assert _equal(got, _batches(iter(torch.utils.data.DataLoader(torch.utils.data.Subset(files, share),
+                                                                 batch_size=4)), 3))

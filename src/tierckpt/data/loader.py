@@ -8,7 +8,7 @@ batch delivered, so a step saved after consuming batch n resumes at batch n + 1,
 Call order (the training process, each rank):
 
     loader = ResumableLoader(dataset, batch_size=32, seed=0, num_workers=4)   # once per process
-    loader.start()                    # optional: the workers fork now, before the process group
+    loader.start()                    # optional: the workers fork and warm up now, before the group
     state = {"model": ..., "data": tierckpt.data.item(loader)}                 # one item per rank
     start = ck.load(state)            # repositions the loader (load_state_dict) when a step exists
     for batch in loader:              # the rest of the current epoch; the next epoch starts when
@@ -107,10 +107,14 @@ class ResumableLoader:
                           **self._options)
 
     def start(self) -> None:
-        """Fork the worker processes now (``num_workers > 0``; else nothing): call it before
-        ``init_process_group`` and ``ck.load``, so the workers inherit no sockets of the group and
-        are up, and loading, by the time the loop asks for its first batch (the next ``iter``
-        repositions them)."""
+        """Fork the worker processes now and let them warm up (``num_workers > 0``; else nothing).
+
+        Call it before ``init_process_group`` and ``ck.load``: the workers fork while nothing else
+        runs (they inherit no socket of the group) and load the batches of the current position
+        while the group forms and the state loads. Those batches are a warm-up: a fresh worker's
+        first batch costs several times a warm one's (its queue and shared-memory set-up), and
+        this pays it ahead. The first ``iter`` after the load drains them (the workers stay) and
+        asks for the batches of the loaded position."""
         if self._options["num_workers"] > 0:
             iter(self._loader)
             self._token += 1

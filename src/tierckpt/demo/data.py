@@ -2,7 +2,7 @@
 ``ResumableLoader`` with worker processes, its position saved beside the model every step.
 
 Built once per process, before the process group (``start``: the workers fork then, holding no
-socket of the group), so in-process restarts keep it and its workers; each generation's load
+socket of the group, and warm up while the group forms and the state loads), so in-process restarts keep it and its workers; each generation's load
 repositions it. ``--no-data-restore`` saves the position but never restores it (every restart
 starts the data over at epoch 0: the control that shows a soak notices lost data state).
 """
