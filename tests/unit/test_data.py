@@ -246,3 +246,67 @@ def test_workers_started_ahead_are_kept_and_serve_the_loaded_position(files: Fil
     share = EpochOrder(length=N, seed=7).share(2, base=0, world_size=2, rank=0)[8:20]
     assert _equal(got, _batches(iter(torch.utils.data.DataLoader(torch.utils.data.Subset(files, share),
                                                                  batch_size=4)), 3))
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_the_readmes_three_lines_run_and_resume(files: FileDataset, shm_root: Path) -> None:
+    """README's "The data pipeline resumes too": at most three lines, and they work as written."""
+    import tierckpt
+    import tierckpt.data
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## The data pipeline resumes too"):]
+    code = section.split("```python\n", 1)[1].split("\n```", 1)[0]
+    assert len(code.splitlines()) <= 3 and '"data": tierckpt.data.item(loader)' in code
+
+    def run(steps: int) -> tuple[int | None, list[torch.Tensor], torch.nn.Linear]:
+        model = torch.nn.Linear(32, 8)
+        optim = torch.optim.SGD(model.parameters(), lr=0.1)
+        seen = []
+        with Checkpointer(_cfg(shm_root)) as ck:
+            scope: dict[str, Any] = {"tierckpt": tierckpt, "dataset": files, "model": model, "optim": optim,
+                                     "ck": ck, "torch": torch}
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+            try:
+                exec(code, scope)
+            finally:
+                torch.distributed.destroy_process_group()
+            start = scope["start"]
+            batches = itertools.chain.from_iterable(iter(scope["loader"]) for _ in itertools.count())
+            for step in range(0 if start is None else start + 1, steps):
+                x, y = next(batches)
+                seen.append(y)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                optim.step()
+                optim.zero_grad()
+                ck.save(step, scope["state_dict"])
+        return start, seen, model
+
+    first = run(2)
+    again = run(5)
+    assert first[0] is None and again[0] == 1
+    fresh = ResumableLoader(files, batch_size=32, seed=0, rank=0, world_size=1)
+    want = [y for _, y in itertools.islice(itertools.chain.from_iterable(iter(fresh) for _ in range(3)), 5)]
+    assert _equal(first[1] + again[1], want)
+
+
+def test_a_short_rollback_replays_copies_and_leaves_the_workers_alone(files: FileDataset) -> None:
+    loader = ResumableLoader(files, batch_size=4, seed=7, rank=0, world_size=1, num_workers=2, replay_batches=2)
+    want = _batches(iter(ResumableLoader(files, batch_size=4, seed=7, rank=0, world_size=1)), 8)
+    it = iter(loader)
+    got = _batches(it, 3)
+    saved = loader.state_dict()  # step 3 saved
+    x, _ = next(it)  # step 4 takes its batch, then a NaN: the loop changed the batch in place first
+    x.mul_(0)
+    live = loader._live
+    received = loader._loader._iterator._rcvd_idx  # type: ignore[union-attr]
+    loader.load_state_dict(saved)
+    again = iter(loader)
+    got += _batches(again, 1)
+    assert loader._live is live and loader._loader._iterator._rcvd_idx == received  # type: ignore[union-attr]
+    got += _batches(again, 4)  # then the live iterator goes on
+    assert _equal(got, want) and loader.rebuilds == 0
+    assert loader.state_dict()["taken"] == 32
+    # further back than the copies: the workers are reset, the batches still right
+    loader.load_state_dict(saved)
+    assert _equal(_batches(iter(loader), 5), want[3:8])

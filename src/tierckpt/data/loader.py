@@ -16,14 +16,19 @@ Call order (the training process, each rank):
         ck.save(step, state)          # the position after this batch
 
 An in-process restart (``tierckpt.resilient``) keeps the loader and its worker processes: build it
-outside the restarted function; the generation's ``ck.load`` repositions it, and the next
-``iter(loader)`` resets the workers (``persistent_workers``) instead of forking new ones. When a
-restart interrupted the loader inside ``next()`` (its worker queues may be mid-message), that
-``iter`` builds a new ``DataLoader`` instead: correct, at the cost of new workers.
+outside the restarted function; the generation's ``ck.load`` repositions it. A rollback of at most
+``replay_batches`` batches (a fault between a save and the next: the usual case) delivers those
+batches again from copies kept of them and the workers go on untouched; a longer one makes the
+next ``iter(loader)`` reset the workers (``persistent_workers``: their queued batches drained, the
+new position's asked for) instead of forking new ones. When a restart interrupted the loader
+inside ``next()`` (its worker queues may be mid-message), that ``iter`` builds a new
+``DataLoader`` instead: correct, at the cost of new workers.
 """
 
 from __future__ import annotations
 
+import copy
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -57,7 +62,9 @@ class ResumableLoader:
     ``rank``/``world_size``: the default process group's unless given; ``drop_last_batch``: the
     ``DataLoader``'s ``drop_last`` (a short last batch); the other arguments are the
     ``DataLoader``'s own. With ``num_workers > 0`` the workers are persistent (kept across
-    iterators and repositions). ``generator`` seeds the workers' base seeds: the loader never
+    iterators and repositions). ``replay_batches``: how many of the latest batches are kept as
+    copies (tensors cloned: a memcpy of each batch) to serve a rollback that short without
+    touching the workers; 0 keeps none. ``generator`` seeds the workers' base seeds: the loader never
     draws from the global torch RNG (a plain ``DataLoader`` does, once per iterator, and so
     changes the training's random stream when a restart creates one more iterator).
     """
@@ -67,9 +74,11 @@ class ResumableLoader:
                  num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
                  pin_memory: bool = False, drop_last_batch: bool = False, prefetch_factor: int | None = None,
                  worker_init_fn: Callable[[int], None] | None = None,
-                 multiprocessing_context: Any = None, timeout: float = 0.0) -> None:
+                 multiprocessing_context: Any = None, timeout: float = 0.0, replay_batches: int = 1) -> None:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ConfigError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(replay_batches, int) or isinstance(replay_batches, bool) or replay_batches < 0:
+            raise ConfigError(f"replay_batches must be an int >= 0, got {replay_batches!r}")
         r, w = _world(rank, world_size)
         self.dataset = dataset
         self.batch_size = batch_size
@@ -88,6 +97,13 @@ class ResumableLoader:
         self._loader = self._build()
         self._token = 0  # which iterator may deliver: a reposition retires the older ones
         self._interrupted = False  # an exception left the loader inside next(): its queues may be torn
+        self.replay_batches = replay_batches
+        self._live: Iterator[Any] | None = None  # the DataLoader iterator of the newest delivery, intact
+        # copies of the live iterator's latest batches, in order: (taken before it, copy); the last
+        # one ends at _live_taken, where the live iterator goes on
+        self._history: deque[tuple[int, Any]] = deque(maxlen=replay_batches)
+        self._live_taken = 0
+        self._pending: list[Any] | None = None  # copies to deliver again before _live goes on
         self.rebuilds = 0  # DataLoaders built after the first (interrupted inside next())
 
     @property
@@ -117,10 +133,13 @@ class ResumableLoader:
         asks for the batches of the loaded position."""
         if self._options["num_workers"] > 0:
             iter(self._loader)
+            self._live, self._pending = None, None
             self._token += 1
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its first batch, unless the loader is in it already (a resumed epoch)."""
+        if epoch != self.sampler.epoch:
+            self._live, self._pending = None, None
         self.sampler.set_epoch(epoch)
         self._token += 1
 
@@ -131,29 +150,52 @@ class ResumableLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the current epoch. Workers start loading at this call, before the first
-        ``next``; when the iterator runs out the next epoch starts."""
+        ``next``; when the iterator runs out the next epoch starts.
+
+        After a rollback of at most ``replay_batches`` batches (``load_state_dict`` of a position
+        this loader delivered from, in the same epoch) the batches are delivered again from copies
+        and the workers go on where they were: nothing is drained or loaded again."""
+        self._token += 1
+        if self._pending is not None and self._live is not None:
+            replay, self._pending = self._pending, None
+            return self._deliver(self._live, self._token, replay)
+        self._pending = None
         if self._interrupted:
             self._loader = self._build()  # the old one's workers stop when it is collected
             self._interrupted = False
             self.rebuilds += 1
-        self._token += 1
-        return self._deliver(iter(self._loader), self._token)
+        self._history.clear()
+        self._live, self._live_taken = iter(self._loader), self.sampler.taken
+        return self._deliver(self._live, self._token, [])
 
-    def _deliver(self, it: Iterator[Any], token: int) -> Iterator[Any]:
+    def _deliver(self, it: Iterator[Any], token: int, replay: list[Any]) -> Iterator[Any]:
         while True:
             if token != self._token:
                 raise ProtocolError("this iterator's loader was repositioned (load_state_dict, set_epoch) or "
                                     "iterated again: call iter(loader) for the batches from the new position")
-            try:
-                batch = next(it)
-            except StopIteration:
-                if token == self._token:
-                    self.sampler.seek(self.sampler.epoch + 1, base=0, taken=0)
-                return
-            except BaseException:
-                self._interrupted = True
-                raise
-            self.sampler.taken = min(self.sampler.taken + self.batch_size, self.sampler.share_size)
+            taken = self.sampler.taken
+            if replay:
+                kept = replay.pop(0)
+                batch = _copy(kept)  # the loop may change what it gets in place; the copy kept stays
+            else:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    if token == self._token:
+                        self.sampler.seek(self.sampler.epoch + 1, base=0, taken=0)
+                        self._live = None
+                        self._history.clear()
+                    return
+                except BaseException:
+                    self._interrupted = True
+                    self._live = None
+                    raise
+                self.sampler.taken = self._live_taken = min(taken + self.batch_size, self.sampler.share_size)
+                if self.replay_batches:
+                    self._history.append((taken, _copy(batch)))
+                yield batch
+                continue
+            self.sampler.taken = min(taken + self.batch_size, self.sampler.share_size)
             yield batch
 
     # -- state ----------------------------------------------------------------------------
@@ -184,13 +226,41 @@ class ResumableLoader:
                     rank=self.rank)
         epoch, base, taken, world = int(state["epoch"]), int(state["base"]), int(state["taken"]), \
             int(state["world_size"])
+        self._pending = None
         if world == self.world_size:
             if int(state["rank"]) != self.rank:
                 raise LoaderStateMismatchError(
                     f"rank {self.rank} was given rank {state['rank']}'s data position: each rank restores its "
                     "own (tierckpt.data.item keeps one per rank)", field="rank", saved=state["rank"],
                     current=self.rank, rank=self.rank)
+            self._pending = self._replay_to(epoch, base, taken)
             self.sampler.seek(epoch, base=base, taken=taken)
         else:
             self.sampler.seek(epoch, base=self.order.consumed(base=base, world_size=world, taken=taken), taken=0)
         self._token += 1
+
+    def _replay_to(self, epoch: int, base: int, taken: int) -> list[Any] | None:
+        """The kept copies that lead from ``taken`` back to where the live iterator is, or None
+        when the live iterator cannot serve that position (another epoch, further back)."""
+        s = self.sampler
+        if self._live is None or self._interrupted or (epoch, base) != (s.epoch, s.base):
+            return None
+        if taken == self._live_taken:
+            return []
+        starts = [t for t, _ in self._history]
+        if taken not in starts:
+            return None
+        return [b for _, b in list(self._history)[starts.index(taken):]]
+
+
+def _copy(batch: Any) -> Any:
+    """A copy of a batch that shares no tensor memory with it (tensors cloned, containers rebuilt)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.clone()
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_copy(b) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_copy(b) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _copy(v)) for k, v in batch.items())
+    return copy.deepcopy(batch)
