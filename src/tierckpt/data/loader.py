@@ -126,15 +126,24 @@ class ResumableLoader:
         """Fork the worker processes now and let them warm up (``num_workers > 0``; else nothing).
 
         Call it before ``init_process_group`` and ``ck.load``: the workers fork while nothing else
-        runs (they inherit no socket of the group) and load the batches of the current position
-        while the group forms and the state loads. Those batches are a warm-up: a fresh worker's
-        first batch costs several times a warm one's (its queue and shared-memory set-up), and
-        this pays it ahead. The first ``iter`` after the load drains them (the workers stay) and
-        asks for the batches of the loaded position."""
-        if self._options["num_workers"] > 0:
+        runs (they inherit no socket of the group) and each loads one batch (the current epoch's
+        last) while the group forms and the state loads. Those batches are a warm-up: a fresh
+        worker's first batch costs several times a warm one's (its queue and shared-memory
+        set-up), and this pays it ahead. The first ``iter`` after the load drains them (the
+        workers stay) and asks for the batches of the loaded position."""
+        workers = self._options["num_workers"]
+        if workers == 0:
+            return
+        s = self.sampler
+        epoch, base, taken = s.epoch, s.base, s.taken
+        # one batch a worker (the share's last ones): enough to warm each, little for the first iter to drain
+        s.taken = max(0, s.share_size - workers * self.batch_size)
+        try:
             iter(self._loader)
-            self._live, self._pending = None, None
-            self._token += 1
+        finally:
+            s.seek(epoch, base=base, taken=taken)
+        self._live, self._pending = None, None
+        self._token += 1
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` at its first batch, unless the loader is in it already (a resumed epoch)."""
