@@ -8,7 +8,9 @@
     ├── IntegrityError                 a copy failed its checksum and no good copy is left
     │   └── SnapshotChangedError       an overlapped save's source changed before its copy (debug mode)
     ├── StateDictMismatchError (ValueError)
-    │                                  the state dict does not match the checkpoint
+    │   │                              the state dict does not match the checkpoint
+    │   └── LoaderStateMismatchError   a data loader's saved position does not fit this loader
+    │                                  (another dataset length, seed, order; a state not reshardable)
     ├── UnsaveableObjectError (TypeError)
     │                                  a state dict value cannot be serialized (a lock, a lambda)
     ├── UnsafeObjectError              a checkpoint object is outside the load allow-list (trusted=True opts in)
@@ -36,6 +38,7 @@ __all__ = [
     "InProcessRestartError",
     "IntegrityError",
     "LoadMismatchWarning",
+    "LoaderStateMismatchError",
     "MemoryBudgetError",
     "NoUsableStepError",
     "NonFiniteLossError",
@@ -138,6 +141,29 @@ class StateDictMismatchError(TierckptError, ValueError):
     """The state dict given to load does not match what the checkpoint holds."""
 
     exit_code = 5
+
+
+class LoaderStateMismatchError(StateDictMismatchError):
+    """A data loader's saved position (``tierckpt.data``) does not fit the loader it is restored into.
+
+    ``field`` names what differs (``length``, ``seed``, ``shuffle``, ``drop_last``, ``rank``,
+    ``world_size``, ``kind``); ``saved`` and ``current`` are its two values.
+    """
+
+    def __init__(self, message: str, *, field: str, saved: Any = None, current: Any = None,
+                 **context: Any) -> None:
+        super().__init__(message, **context)
+        self.field = field
+        self.saved = saved
+        self.current = current
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_loader_mismatch, (self.message, self.field, self.saved, self.current, self.rank, self.step))
+
+
+def _rebuild_loader_mismatch(message: str, field: str, saved: Any, current: Any, rank: int | None,
+                             step: int | None) -> LoaderStateMismatchError:
+    return LoaderStateMismatchError(message, field=field, saved=saved, current=current, rank=rank, step=step)
 
 
 class MemoryBudgetError(TierckptError, MemoryError):

@@ -13,6 +13,12 @@
     <memory root>/.replicas/<node id>/<namespace>/step_<N>/  replicas of another node's files (agent)
     <memory root>/.peer/<namespace>/step_<N>/              files fetched from peers for a load (agent)
 
+State-dict keys: a key segment ``__rank<r>__`` (``rank_item_key``) marks an item that belongs to
+rank r alone (a data loader's position, ``tierckpt.data``): every rank saves its own under its own
+key, so DCP never deduplicates it, and a load asks for its own rank's key only; the others' keys
+are not "unloaded", and a rank that did not exist when the step was saved finds none (its owner
+then falls back to the replicated part, e.g. the loader's global position).
+
 A small file replaced in place (the launcher's restart state, an address file, a pointer) is
 written under ``temp_name`` beside it and renamed over it (``write_atomic``): the name is unique
 to the writer (process, thread, call), so processes that share a directory, e.g. two agents on
@@ -41,7 +47,9 @@ __all__ = [
     "Manifest",
     "checksum",
     "data_file_name",
+    "is_rank_item",
     "parse_step_dir",
+    "rank_item_key",
     "step_dir_name",
     "step_from_path",
     "temp_name",
@@ -100,6 +108,21 @@ def step_from_path(path: object) -> int | None:
 
 def data_file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
+
+
+_RANK_ITEM_RE = re.compile(r"(?:^|\.)__rank(0|[1-9][0-9]*)__(?:\.|$)")
+
+
+def rank_item_key(rank: int) -> str:
+    """The state-dict key segment of an item that belongs to ``rank`` alone (see the module doc)."""
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ConfigError(f"rank must be an int >= 0, got {rank!r}")
+    return f"__rank{rank}__"
+
+
+def is_rank_item(fqn: str) -> bool:
+    """Whether a flattened state-dict key is (inside) a per-rank item."""
+    return _RANK_ITEM_RE.search(fqn) is not None
 
 
 def staging_dir_name(step: int, save_id: str) -> str:

@@ -18,14 +18,17 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-from tierckpt import guard, localmode, metrics
+from tierckpt import guard, layout, localmode, metrics
+from tierckpt._torch_compat import flatten_state_dict
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.reader import TieredStorageReader
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, NoUsableStepError, StateDictMismatchError
 from tierckpt.observability import StepLogger
 from tierckpt.runtime import RankRuntime
+from tierckpt.snapshot import resolve_stateful
 
 __all__ = ["Loader", "quiet_dcp_fallback"]
 
@@ -78,7 +81,8 @@ class Loader:
             try:
                 with warnings.catch_warnings(), quiet_dcp_fallback():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp_load(state_dict, storage_reader=reader, process_group=self.group)
+                    dcp_load(state_dict, storage_reader=reader, process_group=self.group,
+                             planner=_planner_for(state_dict))
             except CheckpointException as exc:
                 err = reader.failure or guard.typed(exc)  # the first tierckpt error inside DCP's wrapper
                 if isinstance(err, NoUsableStepError):  # steps exist, none for every rank: never "fresh"
@@ -136,6 +140,16 @@ class Loader:
                 raise error if error is not None else IntegrityError(f"step {chosen} failed to load on another rank", step=chosen)
             self.log.warning(chosen, "failed to load on some rank (%s); trying an older step", error)
             excluded.add(chosen)
+
+
+def _planner_for(state_dict: dict[str, Any]) -> DefaultLoadPlanner | None:
+    """DCP's planner, told that a per-rank item may be absent (``layout.is_rank_item``): a rank of a
+    larger world than the saving one has none, and its owner falls back (``tierckpt.data``). Every
+    other key the checkpoint lacks is still an error (``matching.check_expected``)."""
+    flat, _ = flatten_state_dict(resolve_stateful(state_dict))
+    if not any(layout.is_rank_item(k) for k in flat):
+        return None
+    return DefaultLoadPlanner(allow_partial_load=True)
 
 
 @contextlib.contextmanager

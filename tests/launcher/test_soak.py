@@ -169,20 +169,7 @@ def test_chaos_soak_ends_bit_identical_to_a_fault_free_run(
     try:
         t0 = time.monotonic()
         job.start()
-        done_at, t_done = 0, 0.0
-        for i, (kind, rank, gap) in enumerate(plan.faults):
-            target = done_at + gap
-            job.wait_for(lambda t=t_done, s=target: _progress_after(job, t) >= s, 240,
-                         f"fault {i} ({kind}): both ranks reach step {target}")
-            at = job.last_step(rank)
-            t_inject = time.time()
-            _inject(job, kind, rank)
-            fault = job.wait_for(lambda n=i: (_new_faults(job, n) or [None])[0], 120,
-                                 f"fault {i} ({kind}) is reported")
-            t_done = fault["time"]
-            done_at = job.wait_for(lambda t=t_done, a=at: (s := _progress_after(job, t)) > a and s, 240,
-                                   f"fault {i} ({kind}): training goes past step {at} again")
-            rows.append({"kind": kind, "rank": rank, "step": at, "t_inject": t_inject, "fault": fault})
+        rows = drive(job, plan.faults)
         codes = job.wait_exit(300)
         wall = time.monotonic() - t0
         assert codes == {0: 0, 1: 0}, job.report()
@@ -210,6 +197,27 @@ def test_chaos_soak_ends_bit_identical_to_a_fault_free_run(
     finally:
         job.close()
     _report(job, plan, rows, wall, ref_wall, inprocess)
+
+
+def drive(job: LocalJob, faults: list[tuple[str, int, int]]) -> list[dict[str, Any]]:
+    """Inject ``faults`` (kind, rank, healthy steps before it) into a started job, one after the
+    other, each once training went ``gap`` steps past the previous recovery; the rows of what happened."""
+    rows: list[dict[str, Any]] = []
+    done_at, t_done = 0, 0.0
+    for i, (kind, rank, gap) in enumerate(faults):
+        target = done_at + gap
+        job.wait_for(lambda t=t_done, s=target: _progress_after(job, t) >= s, 240,
+                     f"fault {i} ({kind}): both ranks reach step {target}")
+        at = job.last_step(rank)
+        t_inject = time.time()
+        _inject(job, kind, rank)
+        fault = job.wait_for(lambda n=i: (_new_faults(job, n) or [None])[0], 120,
+                             f"fault {i} ({kind}) is reported")
+        t_done = fault["time"]
+        done_at = job.wait_for(lambda t=t_done, a=at: (s := _progress_after(job, t)) > a and s, 240,
+                               f"fault {i} ({kind}): training goes past step {at} again")
+        rows.append({"kind": kind, "rank": rank, "step": at, "t_inject": t_inject, "fault": fault})
+    return rows
 
 
 def _report(job: LocalJob, plan: Plan, rows: list[dict[str, Any]], wall: float, ref_wall: float,

@@ -37,6 +37,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "tiers": ("tierckpt.tiers.*",),
     "engine.core": ("tierckpt.staging", "tierckpt.snapshot", "tierckpt.runtime", "tierckpt.topology"),
     "dcp": ("tierckpt.dcp.*",),
+    "data": ("tierckpt.data.*",),
     "engine": ("tierckpt.drain", "tierckpt.localmode", "tierckpt.savepath", "tierckpt.loading",
                "tierckpt.checkpointer"),
     "agent.wire": ("tierckpt.agent.wire.*", "tierckpt.agent.wire", "tierckpt.agent.protocol",
@@ -72,7 +73,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
 }
 
 FOUNDATION = frozenset({"errors", "foundation"})
-LIBRARY = FOUNDATION | {"node", "tiers", "engine.core", "dcp", "engine", "face"}
+LIBRARY = FOUNDATION | {"node", "tiers", "engine.core", "dcp", "engine", "face", "data"}
 AGENT = frozenset(layer for layer in LAYERS if layer.startswith("agent."))
 _WINGS = frozenset({"launcher.detect", "launcher.workers", "launcher.membership", "launcher.dataplane"})
 LAUNCHER = frozenset(layer for layer in LAYERS if layer.startswith("launcher"))
@@ -87,6 +88,7 @@ MAY_IMPORT: dict[str, frozenset[str]] = {
     "engine.core": FOUNDATION | {"node", "tiers"},
     "dcp": FOUNDATION | {"node", "tiers", "engine.core"},  # never savepath, loading, checkpointer
     "engine": FOUNDATION | {"node", "tiers", "engine.core", "dcp"},
+    "data": FOUNDATION,  # the data pipeline's position: a library part beside the engine, never the wings
     "face": LIBRARY,
     "agent.wire": FOUNDATION | {"node", "tiers"},
     "agent.base": FOUNDATION | {"node", "tiers", "agent.wire"},

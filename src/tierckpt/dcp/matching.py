@@ -5,6 +5,8 @@ dict (``Checkpointer.load``), ``check_expected`` (keys the checkpoint lacks, sha
 object: always errors) → ``read_data`` → ``check_plan`` (dtype casts, and checkpoint keys the
 state dict does not load). DCP allows both of the latter, and so does tierckpt, but not silently:
 each is a ``LoadMismatchWarning`` naming the keys; with ``strict=True`` a StateDictMismatchError.
+Per-rank items (``layout.is_rank_item``) are neither: other ranks' items are not this rank's to
+load, and this rank's may be absent (a world larger than the one that saved; its owner decides).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.tensor import DTensor
 
+from tierckpt import layout
 from tierckpt._torch_compat import flatten_state_dict
 from tierckpt.errors import LoadMismatchWarning, StateDictMismatchError
 from tierckpt.observability import StepLogger
@@ -42,7 +45,7 @@ def check_plan(plan: LoadPlan, planner: LoadPlanner, metadata: Metadata, step: i
             casts[req.dest_index.fqn] = (md.properties.dtype, target.dtype)
     asked = {req.dest_index.fqn for req in plan.items}
     asked |= set(getattr(planner, "state_dict", None) or {})  # keys whose shard on this rank is empty
-    unloaded = [] if partial else sorted(k for k in saved if k not in asked)
+    unloaded = [] if partial else sorted(k for k in saved if k not in asked and not layout.is_rank_item(k))
     problems = []
     if casts:
         problems.append("tensors cast to the state dict's dtype: " + _some(
@@ -67,7 +70,7 @@ def check_expected(state_dict: dict[str, Any], metadata: Metadata, step: int) ->
     """Raise StateDictMismatchError when keys, shapes or kinds differ from the checkpoint."""
     flat, _ = flatten_state_dict(resolve_stateful(state_dict))
     saved = metadata.state_dict_metadata
-    missing = sorted(k for k in flat if k not in saved)
+    missing = sorted(k for k in flat if k not in saved and not layout.is_rank_item(k))
     problems = []
     if missing:
         problems.append(f"missing from the checkpoint: {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))

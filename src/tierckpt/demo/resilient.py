@@ -31,7 +31,11 @@ With ``--fault-file PATH`` a fault starts at the first step that finds the file 
 ``--compile-s S``: the first step of every process compiles for S seconds (a busy child process).
 ``--inject-dir D``: a driver asks for a fault by creating ``D/nan_rank<r>``; the rank consumes
 (deletes) the file at its next step and makes that step's loss, gradients and update NaN for
-real, as a diverging step does (the chaos soak). At the end each rank writes its model and
+real, as a diverging step does (the chaos soak). ``--data DIR``: each step's batch comes from the
+files in DIR (``tierckpt.testing.files``) through a shuffled ``tierckpt.data.ResumableLoader`` with
+``--data-workers`` worker processes, ``--batch-size`` samples a rank, its position saved with the
+model (``--no-data-restore``: saved, never restored; ``tierckpt.demo.data``); the first step after
+each resume traces ``batch_s``, the time to its batch. At the end each rank writes its model and
 optimizer state to ``<workdir>/final_rank<r>.pt`` (compared bit for bit with a fault-free run's).
 """
 
@@ -143,6 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ballast-mib", type=int, default=0,
                     help="a buffer of this many MiB per rank in the model's state (saved, restored, a slice changed "
                     "every step; never all-reduced): a state whose copy takes time on a slow link")
+    ap.add_argument("--data", help="read each step's batch from the sample files in this directory (shuffled, "
+                    "through tierckpt.data.ResumableLoader with worker processes), its position saved with the model")
+    ap.add_argument("--data-workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=8, help="samples per rank and step (--data)")
+    ap.add_argument("--no-data-restore", action="store_true",
+                    help="--data: save the loader's position but never restore it (the data starts over)")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -179,18 +189,24 @@ def main(argv: list[str] | None = None) -> int:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3) if args.optim == "adamw" \
         else torch.optim.SGD(model.parameters(), lr=0.05)
     forward = torch.compile(model) if args.compile else model  # built once: in-process restarts keep it
+    data = None
+    if args.data:  # built once, before the process group: in-process restarts keep it and its workers
+        from tierckpt.demo.data import DemoData
+
+        data = DemoData(args.data, batch_size=args.batch_size, workers=args.data_workers,
+                        restore=not args.no_data_restore)
     if args.inprocess:
         from tierckpt.inprocess import Generation, resilient
 
         def generation(gen: Generation) -> None:
             _trace(trace, "pg", inproc=gen.index, reason=gen.reason, stages_s=gen.stages_s, fault_time=gen.fault_time)
-            _train(args, model, forward, optim, trace, faulty and gen.index == 0, inproc=gen.index)
+            _train(args, model, forward, optim, trace, faulty and gen.index == 0, inproc=gen.index, data=data)
 
         resilient(generation)()
     else:
         dist.init_process_group("gloo")
         _trace(trace, "pg")
-        _train(args, model, forward, optim, trace, faulty, inproc=None)
+        _train(args, model, forward, optim, trace, faulty, inproc=None, data=data)
         dist.destroy_process_group()
     torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, work / f"final_rank{rank_env}.pt")
     _trace(trace, "done", step=args.steps)
@@ -241,7 +257,7 @@ def _faults_spent(args: argparse.Namespace, work: Path) -> bool:
 
 
 def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace: Path, faulty: bool,
-           inproc: int | None) -> None:
+           inproc: int | None, data: Any = None) -> None:
     """Load from memory, then train to ``args.steps`` with a save and a beat per step."""
     import torch
     import torch.distributed as dist
@@ -257,7 +273,8 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                                              local_mode=not args.global_mode)
     with tierckpt.Checkpointer(cfg) as ck:
         _init_optim_state(optim)  # a load fills tensors in place: AdamW's moments must exist to be restored
-        state: dict[str, Any] = {"model": model.state_dict(), "optim": optim.state_dict(), "step": 0}
+        state: dict[str, Any] = {"model": model.state_dict(), "optim": optim.state_dict(), "step": 0,
+                                 **(data.for_load() if data is not None else {})}
         t0 = time.time()
         resumed = ck.load(state)
         if resumed is not None:
@@ -266,10 +283,15 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
         _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc,
                tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None)
         first = True
+        batches = data.batches() if data is not None else None
         for step in range((resumed or 0) + 1, args.steps + 1):
             t_step = time.time()
-            g = torch.Generator().manual_seed(step * 100 + rank)
-            x, y = torch.randn(64, 32, generator=g), torch.randint(0, 8, (64,), generator=g)
+            if batches is not None:
+                x, y = next(batches)
+                t_batch = time.time() - t_step
+            else:
+                g = torch.Generator().manual_seed(step * 100 + rank)
+                x, y = torch.randn(64, 32, generator=g), torch.randint(0, 8, (64,), generator=g)
             loss = torch.nn.functional.cross_entropy(forward(x), y)
             injected = _take(args.inject_dir, rank)
             if injected:  # a real divergence: NaN gradients, a NaN update, held back by monitor.step below
@@ -322,14 +344,16 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
                 print(f"Batch {step} Loss: {value:.5f}, Speed: {64 / max(time.time() - t_step, 1e-6):.2f} samples/sec",
                       flush=True)
             monitor.step(step, loss=value)
-            state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step}
+            state = {"model": model.state_dict(), "optim": optim.state_dict(), "step": step,
+                     **(data.for_save() if data is not None else {})}
             ck.save(step, state)
             if args.durable_sync and args.durable_every and step % args.durable_every == 0:
                 t_sync = time.time()
                 ck.wait()  # the durable copy landed (or the wait raised)
                 _trace(trace, "durable", step=step, wait_s=time.time() - t_sync)
             _trace(trace, "step", step=step, digest=_digest(model), inproc=inproc,
-                   **({"forward_s": t_fwd} if first else {}), **({"fault": args.fault} if due else {}))
+                   **({"forward_s": t_fwd} if first else {}), **({"fault": args.fault} if due else {}),
+                   **({"batch_s": t_batch} if first and batches is not None else {}))
             first = False
             if args.eval_every and step % args.eval_every == 0:
                 seconds = args.eval_s if args.eval_rank in (-1, rank) else 0.0
