@@ -51,7 +51,8 @@ NAMESPACE = "tierckpt-resilient"
 
 def _trace(path: Path, event: str, **fields: Any) -> None:
     rec = {"event": event, "time": time.time(), "generation": int(os.environ.get("TIERCKPT_GENERATION", "-1")),
-           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")), "pid": os.getpid(), **fields}
+           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+           "job_restart_count": int(os.environ.get("JOB_RESTART_COUNT", "-1")), "pid": os.getpid(), **fields}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ballast-mib", type=int, default=0,
                     help="a buffer of this many MiB per rank in the model's state (saved, restored, a slice changed "
                     "every step; never all-reduced): a state whose copy takes time on a slow link")
+    ap.add_argument("--trace-sigterm", action="store_true",
+                    help="on SIGTERM write a 'sigterm' trace event, then exit 143 (a graceful stop, seen)")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -153,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     on_node = os.environ.get("TIERCKPT_MEMORY_DIR") == args.fault_memory_dir if args.fault_memory_dir \
         else rank_env == args.fault_rank
     faulty = args.fault_generation in (gen, -1) and on_node and not _faults_spent(args, work)
+    if args.trace_sigterm:
+        import signal
+
+        def _on_sigterm(signum: int, _frame: Any) -> None:
+            _trace(trace, "sigterm", signal=signum)
+            os._exit(143)
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
            warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None,
