@@ -35,7 +35,6 @@ from torch.distributed.elastic.multiprocessing import LogsSpecs
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-from tierckpt.launcher.agentapi import AgentApi, AgentStatus
 from tierckpt.launcher.control import keys, resume
 from tierckpt.launcher.control.claimwatch import ClaimWatch
 from tierckpt.launcher.control.jobcontrol import JobControl, Liveness
@@ -65,9 +64,9 @@ from tierckpt.launcher.membership.spares import (
     publish_nodes,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
+from tierckpt.launcher.supervisor.fidelity import Fidelity
 from tierckpt.launcher.supervisor.findings import Findings, View
 from tierckpt.launcher.supervisor.ledger import Ledger, fault_of
-from tierckpt.launcher.supervisor.fidelity import Fidelity
 from tierckpt.launcher.workers.launch import static_env
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.runner import Workers, free_master_port
