@@ -274,7 +274,7 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
         if resumed is not None:
             model.load_state_dict(state["model"])
             optim.load_state_dict(state["optim"])
-        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc,
+        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc, world=world,
                tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None)
         first = True
         for step in range((resumed or 0) + 1, args.steps + 1):

@@ -224,9 +224,11 @@ def _options(args: Namespace) -> Any:
     from tierckpt.launcher.workers.hooks import TrainScripts
 
     policy = RunPolicy()
+    allowed: tuple[int, ...] = ()
     if args.job:
         job = load_job_file(args.job)
         policy = job.run_policy
+        allowed = job.elastic_policy.allowed if job.elastic_policy is not None else ()
         if job.ignored_fields:
             log.warning("tierckpt run: job file fields not used by the launcher: %s", ", ".join(job.ignored_fields))
         args.nnodes = _job_nnodes(args.nnodes, job.elastic)
@@ -260,7 +262,7 @@ def _options(args: Namespace) -> Any:
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=_stop_grace(args), agent=agent,
         agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
-        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes),
+        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes, allowed),
         avoid=AvoidSettings(file=args.avoid_file, wait_s=args.avoid_wait, machine=os.environ.get("TIERCKPT_NODE_NAME", "")),
         api=ApiSettings(host=args.server_host, port=args.server_port),
         scripts=TrainScripts.from_args(pre=args.pre_train_script, pre_args=args.pre_train_args,

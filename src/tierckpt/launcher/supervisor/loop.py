@@ -296,9 +296,8 @@ class Supervisor:
     def _detect(self, result: RunResult) -> dict[str, Any] | None:
         """The claim to make at this poll (None: nothing, or a symptom waiting for its cause)."""
         wg, ctx, dog = self.wg, self.workers.ctx, self.agent.watchdog
-        arrival = not self.rounds.snoozed(time.monotonic()) and (
-            wg.spec.rdzv_handler.num_nodes_waiting() > 0 or
-            self.rounds.arrived(self._ctl.store if self._ctl else None, self.nnodes))
+        arrival = not self.rounds.snoozed(time.monotonic()) and self.rounds.grows(  # elasticPolicy's counts
+            self._ctl.store if self._ctl else None, self.nnodes, wg.spec.rdzv_handler.num_nodes_waiting())
         view = View(generation=self.generation, node=self.node, nnodes=self.nnodes,
                     ranks={w.local_rank: w.global_rank for w in wg.workers}, pids=self.workers.pids(),
                     outputs=(ctx.stderrs, ctx.stdouts) if ctx is not None else (),
