@@ -23,7 +23,8 @@
     │                                  Checkpointer reports it as SaveHandle.skipped, not as a failure
     ├── CheckpointFailedError          DCP's CheckpointException (a BaseException), made catchable
     ├── RestartRequested               the step was left for an in-process restart (tierckpt.resilient)
-    └── InProcessRestartError          an in-process restart cannot go on: restarts used up, a rank gone
+    ├── InProcessRestartError          an in-process restart cannot go on: restarts used up, a rank gone
+    └── TrainScriptError               tierckpt run's --pre-train-script / --post-train-script failed
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ __all__ = [
     "StateDictMismatchError",
     "StorageError",
     "TierckptError",
+    "TrainScriptError",
     "UnsafeObjectError",
     "UnsaveableObjectError",
 ]
@@ -281,3 +283,14 @@ class InProcessRestartError(TierckptError):
     def __init__(self, message: str, *, generation: int) -> None:
         super().__init__(message)
         self.generation = generation
+
+
+class TrainScriptError(TierckptError):
+    """``tierckpt run --pre-train-script`` (before a generation's workers start) or
+    ``--post-train-script`` (after they all succeeded) could not run or exited non-zero;
+    ``phase`` is ``pre_train`` or ``post_train``, ``code`` the exit status (None: it did not start)."""
+
+    def __init__(self, message: str, *, phase: str = "", code: int | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.phase = phase
+        self.code = code

@@ -1,7 +1,10 @@
 """Logging in the seed's shape: ``[Rank r] Step s: <what> in <t>s (<MB/s>)``.
 
 Records go to the ``tierckpt`` logger (and its children), and also to the config's
-user logger when one is given. Nothing is written to files: handlers are the application's.
+user logger when one is given. The library writes no file itself: handlers are the application's.
+``namespace_log(namespace, directory)`` is the one file handler tierckpt offers, the seed's
+per-namespace log (``<directory>/<namespace>_checkpointing.log``, the seed's directory being
+``/var/log/sagemaker_checkpointing``); ``tierckpt run --namespace-log-dir`` attaches it.
 """
 
 from __future__ import annotations
@@ -11,9 +14,26 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["StepLogger", "get_logger", "throughput"]
+__all__ = ["SEED_LOG_DIR", "StepLogger", "get_logger", "namespace_log", "throughput"]
 
 ROOT = "tierckpt"
+#: where the seed's library writes its per-namespace log (documented; tierckpt writes none by default)
+SEED_LOG_DIR = "/var/log/sagemaker_checkpointing"
+
+
+def namespace_log(namespace: str, directory: str) -> logging.Handler:
+    """A handler on ``<directory>/<namespace>_checkpointing.log`` (the folder is created) with the seed's
+    format ``[time] [namespace] [logger] [LEVEL] [file:line] message``, at INFO. The caller adds it to
+    the ``tierckpt`` logger (whose level it lowers to INFO if it was higher) and removes and closes it.
+    An unwritable folder raises ``OSError`` (the launcher checks it before it starts)."""
+    import os
+
+    os.makedirs(directory, exist_ok=True)
+    handler = logging.FileHandler(os.path.join(directory, f"{namespace}_checkpointing.log"), encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter(
+        f"[%(asctime)s] [{namespace}] [%(name)s] [%(levelname)s] [%(filename)s:%(lineno)d] %(message)s"))
+    return handler
 
 
 def get_logger(component: str) -> logging.Logger:

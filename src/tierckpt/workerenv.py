@@ -6,6 +6,7 @@
     TIERCKPT_DURABLE_URL      workers/launch.py (--durable-url) config.py: CheckpointConfig.durable_url
     TIERCKPT_RESUME_BEFORE    supervisor/torch_agent.py (control/resume.py's bound N)  config.py: CheckpointConfig.resume_before
     TIERCKPT_GENERATION       workers/launch.py: the job-wide restart count; config.py (a worker of tierckpt run)
+    JOB_RESTART_COUNT         workers/launch.py: the same count, under hyperpodrun's name (the training script)
     TIERCKPT_MONITOR_DIR      workers/launch.py: the directory below  monitor.py, inprocess.py, waitsample.py
     TIERCKPT_INPROC_STORE     inprocess/replace.py: host:port/<generation> of the agent-hosted store   inprocess.py
     TIERCKPT_INPROC_JOIN      supervisor/torch_agent.py, on a replacement: the fault it replaces a rank for   inprocess.py
@@ -30,6 +31,7 @@ __all__ = [
     "INPROC_JOIN",
     "INPROC_REQUEST",
     "INPROC_STORE",
+    "JOB_RESTART_COUNT",
     "MEMORY_DIR",
     "MONITOR_DIR",
     "NAMESPACE",
@@ -46,6 +48,7 @@ MEMORY_DIR = "TIERCKPT_MEMORY_DIR"
 DURABLE_URL = "TIERCKPT_DURABLE_URL"
 RESUME_BEFORE = "TIERCKPT_RESUME_BEFORE"
 GENERATION = "TIERCKPT_GENERATION"
+JOB_RESTART_COUNT = "JOB_RESTART_COUNT"
 MONITOR_DIR = "TIERCKPT_MONITOR_DIR"
 INPROC_STORE = "TIERCKPT_INPROC_STORE"
 INPROC_JOIN = "TIERCKPT_INPROC_JOIN"

@@ -50,7 +50,11 @@ def test_the_key_figures_have_panels() -> None:
     for key in ("tierckpt_save_blocking_seconds", "tierckpt_save_commit_seconds", "tierckpt_save_bytes_total",
                 "tierckpt_drain_lag_steps", "tierckpt_drain_lag_seconds", "tierckpt_save_failures_total",
                 "tierckpt_durable_retries_total", "tierckpt_load_seconds", "tierckpt_loads_total",
-                "tierckpt_run_faults_total", "tierckpt_run_restarts_total", "tierckpt_agent_held_bytes"):
+                "tierckpt_run_faults_total", "tierckpt_run_restarts_total", "tierckpt_agent_held_bytes",
+                # the HyperPod operator's job counters and latency histograms (issue 28 item 5)
+                "tierckpt_run_jobs_started_total", "tierckpt_run_jobs_ended_total",
+                "tierckpt_run_detection_latency_seconds", "tierckpt_run_recovery_seconds",
+                "tierckpt_run_downtime_seconds", "tierckpt_run_downtime_seconds_total"):
         assert key in used, key
 
 

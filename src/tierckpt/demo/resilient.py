@@ -55,7 +55,8 @@ NAMESPACE = "tierckpt-resilient"
 
 def _trace(path: Path, event: str, **fields: Any) -> None:
     rec = {"event": event, "time": time.time(), "generation": int(os.environ.get("TIERCKPT_GENERATION", "-1")),
-           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")), "pid": os.getpid(), **fields}
+           "restart_count": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "-1")),
+           "job_restart_count": int(os.environ.get("JOB_RESTART_COUNT", "-1")), "pid": os.getpid(), **fields}
     with open(path, "a") as f:
         f.write(json.dumps(rec) + "\n")
 
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=8, help="samples per rank and step (--data)")
     ap.add_argument("--no-data-restore", action="store_true",
                     help="--data: save the loader's position but never restore it (the data starts over)")
+    ap.add_argument("--trace-sigterm", action="store_true",
+                    help="on SIGTERM write a 'sigterm' trace event, then exit 143 (a graceful stop, seen)")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -163,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     on_node = os.environ.get("TIERCKPT_MEMORY_DIR") == args.fault_memory_dir if args.fault_memory_dir \
         else rank_env == args.fault_rank
     faulty = args.fault_generation in (gen, -1) and on_node and not _faults_spent(args, work)
+    if args.trace_sigterm:
+        import signal
+
+        def _on_sigterm(signum: int, _frame: Any) -> None:
+            _trace(trace, "sigterm", signal=signum)
+            os._exit(143)
+
+        signal.signal(signal.SIGTERM, _on_sigterm)
     # under tierckpt run a warm standby (torch imported ahead) may be this process: say so
     _trace(trace, "start", interpreter_start=t_start, warm=os.environ.get("TIERCKPT_WARM") == "1",
            warm_since=float(os.environ.get("TIERCKPT_WARM_SINCE", "0")) or None,
@@ -280,7 +291,7 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
         if resumed is not None:
             model.load_state_dict(state["model"])
             optim.load_state_dict(state["optim"])
-        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc,
+        _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc, world=world,
                tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None)
         first = True
         batches = data.batches() if data is not None else None

@@ -85,6 +85,35 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--avoid-wait", type=float, default=120.0,
                    help="seconds a relaunched repeat offender leaves the first round's seats to other nodes "
                         "before it takes a free one (default 120)")
+    h = p.add_argument_group("hyperpodrun (the HyperPod elastic agent's own options, accepted as it spells them)")
+    h.add_argument("--server-host", "--server_host", default="127.0.0.1",
+                   help="address of the agent's HTTP API (default 127.0.0.1; hyperpodrun's is 0.0.0.0)")
+    h.add_argument("--server-port", "--server_port", type=int, default=None,
+                   help="serve the agent's HTTP API on this port: GET /health, /status (JSON: state, generation, "
+                   "restart count), /restart_count (default: no API; 0 picks a free port)")
+    h.add_argument("--server-log-level", "--server_log_level", default="info",
+                   help="accepted for hyperpodrun's command lines; the API logs nothing")
+    h.add_argument("--server-shutdown-timeout", "--server_shutdown_timeout", type=float, default=None,
+                   help="accepted for hyperpodrun's command lines; the API stops at once with the agent")
+    h.add_argument("--shutdown-signal", "--shutdown_signal", choices=("SIGTERM", "SIGKILL"), default=None,
+                   help="how a fault stops the workers: SIGKILL at once (the default), or SIGTERM and SIGKILL "
+                   "after --shutdown-timeout seconds (default 15, as hyperpodrun); the same as --stop-grace")
+    h.add_argument("--pre-train-script", "--pre_train_script", default=None,
+                   help="run this script on every node before its workers start, at every (re)start (a .py "
+                   "file runs under this Python; else it is executed)")
+    h.add_argument("--pre-train-args", "--pre_train_args", default="", help="its arguments, one string (shlex)")
+    h.add_argument("--post-train-script", "--post_train_script", default=None,
+                   help="run this script on every node once its workers all succeeded")
+    h.add_argument("--post-train-args", "--post_train_args", default="", help="its arguments, one string (shlex)")
+    h.add_argument("--inprocess-restart", "--inprocess_restart", action="store_true",
+                   help="accepted: workers under tierckpt.resilient restart in-process with or without it "
+                   "(docs/launcher.md, In-process restarts)")
+    h.add_argument("--inprocess-timeout", "--inprocess_timeout", type=float, default=None,
+                   help="accepted for hyperpodrun's command lines; tierckpt.resilient's own timeouts apply")
+    h.add_argument("--namespace-log-dir", default=os.environ.get("TIERCKPT_NAMESPACE_LOG_DIR") or None,
+                   help="write this agent's log records to DIR/<namespace>_checkpointing.log, as the seed's "
+                   "library writes /var/log/sagemaker_checkpointing/<namespace>_checkpointing.log (default "
+                   "$TIERCKPT_NAMESPACE_LOG_DIR, else no file)")
     a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given, or by "
                              "default on several nodes without --durable-url, unless an agent already serves the "
                              "memory root)")
@@ -185,17 +214,21 @@ def _max_nodes(nnodes: str) -> int:
 
 
 def _options(args: Namespace) -> Any:
+    from tierckpt.launcher.agentapi import ApiSettings
     from tierckpt.launcher.decide.escalation import EscalationPolicy
     from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
     from tierckpt.launcher.jobspec import RunPolicy, load_job_file
     from tierckpt.launcher.membership.avoid import AvoidSettings
     from tierckpt.launcher.membership.change import Elastic
     from tierckpt.launcher.options import RunOptions
+    from tierckpt.launcher.workers.hooks import TrainScripts
 
     policy = RunPolicy()
+    allowed: tuple[int, ...] = ()
     if args.job:
         job = load_job_file(args.job)
         policy = job.run_policy
+        allowed = job.elastic_policy.allowed if job.elastic_policy is not None else ()
         if job.ignored_fields:
             log.warning("tierckpt run: job file fields not used by the launcher: %s", ", ".join(job.ignored_fields))
         args.nnodes = _job_nnodes(args.nnodes, job.elastic)
@@ -227,11 +260,49 @@ def _options(args: Namespace) -> Any:
         heartbeat=HeartbeatPolicy(fixed_timeout_s=fixed, startup_deadline_s=policy.startup_deadline_s,
                                   hang=_hang_policy(args)),
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
-        node_timeout_s=args.node_timeout, stop_grace_s=args.stop_grace, agent=agent,
+        node_timeout_s=args.node_timeout, stop_grace_s=_stop_grace(args), agent=agent,
         agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
-        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes),
+        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes, allowed),
         avoid=AvoidSettings(file=args.avoid_file, wait_s=args.avoid_wait, machine=os.environ.get("TIERCKPT_NODE_NAME", "")),
+        api=ApiSettings(host=args.server_host, port=args.server_port),
+        scripts=TrainScripts.from_args(pre=args.pre_train_script, pre_args=args.pre_train_args,
+                                       post=args.post_train_script, post_args=args.post_train_args),
+        log_dir=_namespace_log_dir(args),
     )
+
+
+#: hyperpodrun's --shutdown-timeout default (torchrun's own option, which tierckpt run's agent uses too)
+HYPERPOD_SHUTDOWN_TIMEOUT_S = 15.0
+
+
+def _stop_grace(args: Namespace) -> float:
+    """Seconds between SIGTERM and SIGKILL when a fault stops workers: ``--stop-grace``, or
+    hyperpodrun's ``--shutdown-signal SIGTERM`` with ``--shutdown-timeout`` (default 15 s); 0: SIGKILL."""
+    grace = args.stop_grace
+    if not (math.isfinite(grace) and grace >= 0):
+        raise TierckptError(f"--stop-grace must be 0 or more seconds, got {grace:g}")
+    if args.shutdown_signal is None:
+        return float(grace)
+    wanted = 0.0 if args.shutdown_signal == "SIGKILL" else float(
+        HYPERPOD_SHUTDOWN_TIMEOUT_S if args.shutdown_timeout is None else args.shutdown_timeout)
+    if wanted <= 0 and args.shutdown_signal == "SIGTERM":
+        raise TierckptError(f"--shutdown-signal SIGTERM needs a --shutdown-timeout above 0, got {wanted:g}")
+    if grace and grace != wanted:
+        raise TierckptError(f"--stop-grace {grace:g} and --shutdown-signal {args.shutdown_signal} (a grace of "
+                            f"{wanted:g} s) disagree; give one of them")
+    return wanted
+
+
+def _namespace_log_dir(args: Namespace) -> str | None:
+    d = args.namespace_log_dir
+    if d is None:
+        return None
+    if not args.namespace:
+        raise TierckptError("--namespace-log-dir names its file after the namespace; give --namespace too")
+    from tierckpt.launcher import preflight
+
+    preflight.check_writable_dir("--namespace-log-dir", d)
+    return str(d)
 
 
 def _hang_policy(args: Namespace) -> Any:
@@ -291,6 +362,8 @@ def _validate(args: Namespace) -> None:
         preflight.check_writable_dir("--memory-dir", args.memory_dir)
     if args.events is not None:
         preflight.check_writable_file("--events", args.events)
+    if args.server_port is not None:
+        preflight.check_port("--server-port", args.server_host, args.server_port)
     if not args.standalone and args.rdzv_endpoint:
         preflight.check_endpoint(args.rdzv_endpoint)
     preflight.check_script(args.training_script, module=args.module, no_python=args.no_python)

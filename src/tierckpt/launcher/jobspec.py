@@ -27,6 +27,7 @@ from tierckpt.errors import ConfigError
 
 __all__ = [
     "OPERATORS",
+    "ElasticPolicy",
     "JobFile",
     "JobSpecError",
     "LogRule",
@@ -130,6 +131,34 @@ class RunPolicy:
     log_rules: tuple[LogRule, ...] = ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class ElasticPolicy:
+    """``spec.elasticPolicy`` (and ``replicaSpecs[0].maxReplicas``): the node counts the job may run on.
+
+    ``allowed`` is every node count from ``min_nodes`` to ``max_nodes`` that ``replicaDiscreteValues``
+    lists, or that ``replicaIncrementStep`` reaches from ``min_nodes`` (every count without either);
+    a job never settles on another (docs/launcher.md, "Elastic membership"). The three timeouts are
+    kept as given; ``faulty_scale_down_timeout_s`` and ``graceful_shutdown_timeout_s`` are not acted on."""
+
+    min_nodes: int
+    max_nodes: int
+    allowed: tuple[int, ...]
+    increment_step: int | None = None
+    discrete_values: tuple[int, ...] | None = None
+    scaling_timeout_s: float | None = None
+    graceful_shutdown_timeout_s: float | None = None
+    faulty_scale_down_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        where = "spec.elasticPolicy"
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise _fail(f"{where}.maxReplicas", f"must be at least minReplicas ({self.min_nodes}), got {self.max_nodes}")
+        if not self.allowed or list(self.allowed) != sorted(set(self.allowed)) or \
+                self.allowed[0] != self.min_nodes or self.allowed[-1] > self.max_nodes:
+            raise _fail(where, f"the allowed node counts {list(self.allowed)} must be ascending, start at minReplicas "
+                        f"({self.min_nodes}) and stay within maxReplicas ({self.max_nodes})")
+
+
 @dataclass(frozen=True)
 class JobFile:
     """A parsed job file: the run policy, and the dotted paths of fields accepted but unused."""
@@ -138,6 +167,8 @@ class JobFile:
     ignored_fields: tuple[str, ...]
     #: ``spec.elasticPolicy`` (minReplicas, maxReplicas): the job's nodes, as ``--nnodes MIN:MAX``
     elastic: tuple[int, int] | None = None
+    #: the whole ``spec.elasticPolicy`` (the allowed node counts, the timeouts)
+    elastic_policy: ElasticPolicy | None = None
 
 
 # --- field readers: each names the field path in its error -------------------------------------
@@ -391,27 +422,76 @@ def parse_job(document: Mapping[str, Any]) -> JobFile:
     spec = _mapping({} if doc.get("spec") is None else doc["spec"], "spec")
     _check_keys(spec, _SPEC_FIELDS, "spec")
     ignored.extend(f"spec.{key}" for key in ("nprocPerNode", "replicaSpecs") if key in spec)
-    elastic = _parse_elastic(spec["elasticPolicy"], ignored) if _present(spec, "elasticPolicy") else None
+    cap = _replica_max(spec.get("replicaSpecs"))
+    el = _parse_elastic(spec["elasticPolicy"], ignored, cap) if _present(spec, "elasticPolicy") else None
+    elastic = (el.min_nodes, el.max_nodes) if el is not None else None
     if not _present(spec, "runPolicy"):
-        return JobFile(RunPolicy(), tuple(ignored), elastic)
+        return JobFile(RunPolicy(), tuple(ignored), elastic, el)
     policy, more = parse_run_policy(spec["runPolicy"], where="spec.runPolicy")
-    return JobFile(policy, tuple(ignored + more), elastic)
+    return JobFile(policy, tuple(ignored + more), elastic, el)
 
 
-def _parse_elastic(raw: Any, ignored: list[str]) -> tuple[int, int] | None:
+def _replica_max(raw: Any) -> int | None:
+    """``replicaSpecs[0].maxReplicas`` (the pods that replica group may grow to), or None."""
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], Mapping) or not _present(raw[0], "maxReplicas"):
+        return None
+    return _int(raw[0]["maxReplicas"], "spec.replicaSpecs[0].maxReplicas", minimum=1)
+
+
+_ELASTIC_USED = ("minReplicas", "maxReplicas", "replicaIncrementStep", "replicaDiscreteValues",
+                 "scalingTimeoutInSeconds", "gracefulShutdownTimeoutInSeconds", "faultyScaleDownTimeoutInSeconds")
+
+
+def _parse_elastic(raw: Any, ignored: list[str], replica_max: int | None) -> ElasticPolicy | None:
     """``spec.elasticPolicy``: ``minReplicas``/``maxReplicas`` become ``--nnodes MIN:MAX`` (one given:
-    both the same); its other fields (the Kubeflow rendezvous settings, metrics) are listed as ignored."""
+    both the same; ``replicaSpecs[0].maxReplicas`` is MAX when the policy names none, and may not
+    differ from it); ``replicaDiscreteValues`` or ``replicaIncrementStep`` (not both) narrow the node
+    counts; the timeouts are checked and kept (listed as unused); its other fields (Kubeflow's rendezvous settings) are listed as ignored."""
     where = "spec.elasticPolicy"
     m = _mapping(raw, where)
-    ignored.extend(f"{where}.{k}" for k in m if k not in ("minReplicas", "maxReplicas"))
+    # the timeouts are read and checked, not acted on: listed with the unused fields
+    ignored.extend(f"{where}.{k}" for k in m if k not in _ELASTIC_USED[:4])
     lo = _int(m["minReplicas"], f"{where}.minReplicas", minimum=1) if _present(m, "minReplicas") else None
     hi = _int(m["maxReplicas"], f"{where}.maxReplicas", minimum=1) if _present(m, "maxReplicas") else None
+    if hi is not None and replica_max is not None and hi != replica_max:
+        raise _fail("spec.replicaSpecs[0].maxReplicas", f"{replica_max} differs from {where}.maxReplicas ({hi}); "
+                    "give one value, or drop one of them")
+    hi = hi if hi is not None else replica_max
     if lo is None and hi is None:
         return None
     lo, hi = (lo if lo is not None else hi), (hi if hi is not None else lo)
     if lo is None or hi is None or hi < lo:
         raise _fail(f"{where}.maxReplicas", f"must be at least minReplicas ({lo}), got {hi}")
-    return lo, hi
+    step = _int(m["replicaIncrementStep"], f"{where}.replicaIncrementStep", minimum=1) \
+        if _present(m, "replicaIncrementStep") else None
+    values = _discrete(m["replicaDiscreteValues"], f"{where}.replicaDiscreteValues", lo, hi) \
+        if _present(m, "replicaDiscreteValues") else None
+    if step is not None and values is not None:
+        raise _fail(where, "replicaIncrementStep and replicaDiscreteValues exclude each other; keep one")
+    allowed = values if values is not None else tuple(range(lo, hi + 1, step or 1))
+    timeouts = {k: _seconds(m[k], f"{where}.{k}", allow_zero=True) if _present(m, k) else None
+                for k in _ELASTIC_USED[4:]}
+    return ElasticPolicy(min_nodes=lo, max_nodes=hi, allowed=allowed, increment_step=step, discrete_values=values,
+                         scaling_timeout_s=timeouts["scalingTimeoutInSeconds"],
+                         graceful_shutdown_timeout_s=timeouts["gracefulShutdownTimeoutInSeconds"],
+                         faulty_scale_down_timeout_s=timeouts["faultyScaleDownTimeoutInSeconds"])
+
+
+def _discrete(raw: Any, where: str, lo: int, hi: int) -> tuple[int, ...]:
+    """``replicaDiscreteValues``: distinct node counts from minReplicas to maxReplicas, minReplicas among them."""
+    if not isinstance(raw, list) or not raw:
+        raise _fail(where, f"must be a non-empty list of node counts, e.g. [{lo}, {hi}]; got {raw!r}")
+    values = [_int(v, f"{where}[{i}]", minimum=1) for i, v in enumerate(raw)]
+    if len(set(values)) != len(values):
+        raise _fail(where, f"{values} lists a node count twice; list each once")
+    outside = [v for v in values if not lo <= v <= hi]
+    if outside:
+        raise _fail(where, f"{outside} outside minReplicas..maxReplicas ({lo}..{hi}); every allowed count must "
+                    "lie in that range")
+    if lo not in values:
+        raise _fail(where, f"{sorted(values)} leaves out minReplicas ({lo}): the job could never run on its "
+                    "minimum; add it, or raise minReplicas")
+    return tuple(sorted(values))
 
 
 def load_job_file(path: str | os.PathLike[str]) -> JobFile:

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierckpt.launcher.agentapi import ApiSettings
 from tierckpt.launcher.decide.escalation import EscalationPolicy
 from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
 from tierckpt.launcher.membership.avoid import AvoidSettings
 from tierckpt.launcher.membership.change import Elastic
+from tierckpt.launcher.workers.hooks import TrainScripts
 from tierckpt.launcher.workers.warm import WarmPolicy
 
 __all__ = ["FULL_RESTART_EXIT", "LAUNCHER_ERROR_EXIT", "RunOptions"]
@@ -47,6 +49,10 @@ class RunOptions:
                                            with MIN survivors regroups without a rendezvous round
     avoid                                  --avoid-file, --avoid-wait, $TIERCKPT_NODE_NAME: repeat
                                            offenders at full job restarts (avoid.AvoidSettings)
+    api                                    --server-host/--server-port: the agent's HTTP API (agentapi.py)
+    scripts                                --pre-train-script/--post-train-script (workers/hooks.py)
+    log_dir                                --namespace-log-dir: <dir>/<namespace>_checkpointing.log gets the
+                                           agent's log records (None: no file)
     """
 
     namespace: str | None = None
@@ -66,3 +72,6 @@ class RunOptions:
     rdzv_endpoint: str = ""
     elastic: Elastic | None = None
     avoid: AvoidSettings = field(default_factory=AvoidSettings)  # repeat offenders at full restarts (avoid.py)
+    api: ApiSettings = field(default_factory=ApiSettings)
+    scripts: TrainScripts = field(default_factory=TrainScripts)
+    log_dir: str | None = None

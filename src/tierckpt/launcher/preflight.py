@@ -1,7 +1,7 @@
 """Checks ``tierckpt run`` makes before any worker starts; each raises ``ConfigError`` (exit 2).
 
 Call order: ``cli._validate`` calls ``check_writable_dir`` (--memory-dir), ``check_writable_file``
-(--events), ``check_endpoint`` (--rdzv-endpoint) and ``check_script`` (the training script),
+(--events), ``check_port`` (--server-port), ``check_endpoint`` (--rdzv-endpoint) and ``check_script`` (the training script),
 before the agent exists; a failure is one ``tierckpt run: error: ...`` line.
 """
 
@@ -15,7 +15,8 @@ import time
 
 from tierckpt.errors import ConfigError
 
-__all__ = ["RESOLVE_WAIT_S", "check_endpoint", "check_script", "check_writable_dir", "check_writable_file"]
+__all__ = ["RESOLVE_WAIT_S", "check_endpoint", "check_port", "check_script", "check_writable_dir",
+           "check_writable_file"]
 
 _DEFAULT_RDZV_PORT = 29400  # torch's c10d rendezvous default
 
@@ -54,6 +55,25 @@ def check_writable_file(option: str, path: str) -> None:
             raise ConfigError(f"{option} {path} is not a writable file; fix its permissions or pick another")
     elif not os.access(folder, os.W_OK | os.X_OK):
         raise ConfigError(f"{option} {path}: the folder {folder} is not writable by this user; pick another")
+
+
+def check_port(option: str, host: str, port: int) -> None:
+    """``host:port`` is a TCP port this process can listen on now (0: any free one)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{option} must be a TCP port 0-65535 (0: any free one), got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"{option}: the host {host!r} does not resolve ({exc.strerror}); give an address "
+                          "such as 127.0.0.1 or 0.0.0.0") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise ConfigError(f"{option} {port} on {host}: cannot listen ({exc.strerror or exc}); pick a free "
+                              "port, or 0 for any") from None
 
 
 #: how long a rendezvous host that does not resolve yet is waited for (a Kubernetes headless

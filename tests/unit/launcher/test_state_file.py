@@ -51,11 +51,13 @@ def test_the_run_state_is_a_typed_value_with_the_files_keys_and_tolerates_damage
     raw = {"next_generation": 5, "full_restarts": 1, "job_started": 1_700_000_000.25,
            "hang": {"longest_s": 2.0, "longest_idle_s": 0.5, "intervals": 9}, "restarts": 4, "resume_before": 8,
            "membership_changes": 2, "offenses": {"h:/m": [1.0]}, "avoid": [{"identity": "h:/m"}],
-           "unhealthy_before": 3}
+           "unhealthy_before": 3, "full_restart_at": 1_700_000_100.5}
     st = RunState.from_dict(raw)
     assert (st.next_generation, st.full_restarts, st.restarts, st.resume_before) == (5, 1, 4, 8)
+    assert st.full_restart_at == 1_700_000_100.5  # the next incarnation's downtime starts there
     assert st.to_dict() == raw and list(st.to_dict()) == list(raw)  # the keys, in the order files have them
     assert RunState.from_dict({}) == RunState() and RunState().to_dict()["job_started"] is None
     bad = RunState.from_dict({"next_generation": "7", "full_restarts": -1, "job_started": float("nan"),
-                              "hang": [1], "resume_before": True, "avoid": "x", "unhealthy_before": 2.5})
+                              "hang": [1], "resume_before": True, "avoid": "x", "unhealthy_before": 2.5,
+                              "full_restart_at": "soon"})
     assert bad == RunState(), bad  # malformed fields read as their defaults, never as an error

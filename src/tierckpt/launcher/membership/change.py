@@ -68,29 +68,46 @@ class Change:
 
 @dataclass(frozen=True)
 class Elastic:
-    """``--nnodes MIN:MAX`` (or the job file's ``elasticPolicy.minReplicas``/``maxReplicas``): how
-    many nodes the job may run on."""
+    """``--nnodes MIN:MAX`` (or the job file's ``elasticPolicy``): how many nodes the job may run on;
+    ``allowed`` narrows them (``replicaDiscreteValues``, ``replicaIncrementStep``; empty: every count)."""
 
     min_nodes: int
     max_nodes: int
+    allowed: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
             raise ConfigError(f"--nnodes {self.min_nodes}:{self.max_nodes}: MIN must be at least 1 and MAX at "
                               "least MIN; e.g. --nnodes 2:4")
+        if self.allowed and (self.allowed[0] != self.min_nodes or self.allowed[-1] > self.max_nodes
+                             or list(self.allowed) != sorted(set(self.allowed))):
+            raise ConfigError(f"allowed node counts {list(self.allowed)}: ascending, from MIN ({self.min_nodes}) "
+                              f"to at most MAX ({self.max_nodes})")
 
     @classmethod
-    def parse(cls, nnodes: str) -> Elastic:
-        """From torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``)."""
+    def parse(cls, nnodes: str, allowed: tuple[int, ...] = ()) -> Elastic:
+        """From torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) and the job file's allowed counts."""
         lo, _, hi = str(nnodes).partition(":")
         try:
-            return cls(int(lo), int(hi or lo))
+            return cls(int(lo), int(hi or lo), allowed)
         except ValueError:
             raise ConfigError(f"--nnodes {nnodes!r}: give N or MIN:MAX, e.g. --nnodes 2 or --nnodes 2:4") from None
 
     @property
     def elastic(self) -> bool:
         return self.max_nodes > self.min_nodes
+
+    def allows(self, n: int) -> bool:
+        """The job may run on ``n`` nodes."""
+        return self.min_nodes <= n <= self.max_nodes and (not self.allowed or n in self.allowed)
+
+    def floor(self, n: int) -> int | None:
+        """The most nodes the job may run on with ``n`` available (None: fewer than MIN)."""
+        return max((k for k in range(self.min_nodes, min(n, self.max_nodes) + 1) if self.allows(k)), default=None)
+
+    def grows(self, nnodes: int, waiting: int) -> bool:
+        """``waiting`` more nodes let a job on ``nnodes`` grow to a count it may run on."""
+        return waiting > 0 and (self.floor(nnodes + waiting) or 0) > nnodes
 
 
 @dataclass(frozen=True)
@@ -101,6 +118,7 @@ class Shrink:
     regroup: bool
     survivors: tuple[int, ...]
     why: str
+    surplus: tuple[int, ...] = ()  # survivors left out: the allowed count below them (they wait as spares)
 
 
 def shrink(*, nnodes: int, lost: Sequence[int], elastic: Elastic, spares_waiting: int) -> Shrink:
@@ -109,6 +127,8 @@ def shrink(*, nnodes: int, lost: Sequence[int], elastic: Elastic, spares_waiting
     Regroup (the survivors agree through the store, renumbered in their old order) when the
     survivors are at least ``min_nodes`` and no spare or waiting node could take a lost rank;
     otherwise torch's rendezvous round, which a spare joins (or which waits for ``min_nodes``).
+    Survivors whose count the job may not run on (``Elastic.allowed``) regroup on the largest
+    allowed count below it, the lowest group ranks first; the rest are ``surplus``.
     """
     gone = set(lost)
     survivors = tuple(r for r in range(nnodes) if r not in gone)
@@ -116,9 +136,14 @@ def shrink(*, nnodes: int, lost: Sequence[int], elastic: Elastic, spares_waiting
         return Shrink(False, survivors, f"{spares_waiting} spare node(s) waiting: a rendezvous round admits one")
     if not gone:
         return Shrink(False, survivors, "no lost node named: a rendezvous round settles the membership")
-    if len(survivors) < elastic.min_nodes:
+    keep = elastic.floor(len(survivors))
+    if keep is None:
         return Shrink(False, survivors, f"{len(survivors)} survivor(s), below the minimum of {elastic.min_nodes}: "
                       "the rendezvous waits for nodes")
+    if keep < len(survivors):  # the job never runs on a count its elasticPolicy forbids: drop to the next one
+        return Shrink(True, survivors[:keep], f"{len(survivors)} survivor(s), a node count elasticPolicy does not "
+                      f"allow ({list(elastic.allowed)}): regroup on the first {keep}, the others wait as spares",
+                      surplus=survivors[keep:])
     return Shrink(True, survivors, f"{len(survivors)} survivor(s) >= {elastic.min_nodes}: regroup without a "
                   "rendezvous round")
 

@@ -12,7 +12,7 @@ Call order (the supervisor, supervisor/torch_agent.py):
     assign(store, group_rank, world, run_id)    # inside torch's round: this node's stable rank
     after_round(job_store, offenses, avoid)     # once the round formed, with the state file's lists
     settled(job_store, node, nnodes, ...) -> Round   # after a round or a regroup: the value the parts follow
-    arrived(store, nnodes) / snoozed(now)       # every poll: a MembershipChange
+    grows(store, nnodes, waiting) / snoozed(now)   # every poll: a MembershipChange
     record(store, g, fault); keep_out(store, g, fault)   # a fault, after the stop barrier
     regroup(...) -> bool | stand_aside(handler) | forget()   # the recovery's membership step
     at_full_restart(store, g)                   # a FULL_RESTART decision, before the exit barrier
@@ -164,6 +164,16 @@ class Rounds:
             return False
         return arrivals(store) > self._arrivals_seen
 
+    def grows(self, store: Any | None, nnodes: int, waiting: int) -> bool:
+        """A node arrived (``waiting`` in torch's round, or ``arrived``) and the job may grow: with
+        ``Elastic.allowed`` only when the nodes there make a count the job may run on (a surplus
+        survivor waits there alone without restarting anyone); without it, any arrival."""
+        el = self.opts.elastic
+        if el is None or not el.allowed:
+            return waiting > 0 or self.arrived(store, nnodes)
+        seen = arrivals(store) - self._arrivals_seen if store is not None and nnodes < el.max_nodes else 0
+        return el.grows(nnodes, max(waiting, seen))
+
     def snoozed(self, now: float) -> bool:
         """Whether a scale-up waits now (the snooze after a round with fewer nodes; snooze.py)."""
         return not self._snooze.allows(now, self._scaled_down_at)
@@ -210,6 +220,9 @@ class Rounds:
             return False
         plan = shrink(nnodes=nnodes, lost=self.lost_nodes(fault, lost), elastic=el,
                       spares_waiting=spares_waiting(ctl.store) + waiting)
+        if plan.regroup and node in plan.surplus:  # elasticPolicy forbids the survivors' count: this one waits
+            self.events.emit("spare", generation=g, state="surplus", identity=ranks.identity(self.opts.memory_dir),
+                             keep=len(plan.survivors), why=plan.why)
         got = ctl.regroup(g, node, list(plan.survivors), timeout=self.opts.node_timeout_s) \
             if plan.regroup and node in plan.survivors else None
         if got is None:

@@ -52,6 +52,9 @@ class Ledger:
         self.changes_before = 0  # MembershipChange claims of earlier incarnations (kept in the state file)
         self.changes = 0  # ... and of this one, as of the last decision
         self.unhealthy_before = 0  # the backoff streak this incarnation began with (escalation.py; state file)
+        self.full_restart_at: float | None = None  # when this incarnation decided a full job restart (state file)
+        self.full_restart_at_start: float | None = None  # ... the one before it, read at its first round
+        self._joined_once = False
 
     def load(self) -> RunState:
         return RunState.from_dict(runstate.load(self.opts, self._run_id()))
@@ -67,6 +70,9 @@ class Ledger:
         offered, so every node reads the same (read before the barrier, a node that offered first
         could miss a higher count offered after it, and decide on another history)."""
         self.full_restarts = full_restarts
+        if not self._joined_once:  # later rounds of this process read the file it wrote itself
+            self._joined_once = True
+            self.full_restart_at_start = st.full_restart_at
         if st.job_started is not None:
             self.job_started = min(self.job_started, st.job_started)
         self.changes_before = ctl.get_int(keys.MEMBERSHIP_CHANGES)
@@ -110,5 +116,5 @@ class Ledger:
         state = RunState(next_generation=next_generation, full_restarts=full_restarts, job_started=self.job_started,
                          hang=hang, restarts=self.restarts, resume_before=resume_before,
                          membership_changes=self.changes_before + self.changes, offenses=offenses,
-                         avoid=tuple(avoid), unhealthy_before=streak)
+                         avoid=tuple(avoid), unhealthy_before=streak, full_restart_at=self.full_restart_at)
         return runstate.save(self.opts, self._run_id(), state.to_dict())

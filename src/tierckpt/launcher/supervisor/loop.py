@@ -64,6 +64,7 @@ from tierckpt.launcher.membership.spares import (
     publish_nodes,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
+from tierckpt.launcher.supervisor.fidelity import Fidelity
 from tierckpt.launcher.supervisor.findings import Findings, View
 from tierckpt.launcher.supervisor.ledger import Ledger, fault_of
 from tierckpt.launcher.workers.launch import static_env
@@ -133,7 +134,9 @@ class Supervisor:
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
         self._recovering: float | None = None  # detection time of the restart whose first steps are awaited
-
+        self._recovering_kind = "process"  # the ``recovered`` event's kind: process, replace or job
+        # hyperpodrun's parts: the HTTP API, the pre/post-train scripts, the namespace log (fidelity.py)
+        self.fidelity = Fidelity(opts, self.events)
 
     @property
     def wg(self) -> WorkerGroup:
@@ -280,10 +283,8 @@ class Supervisor:
             return
         recovery = time.monotonic() - self._recovering
         self._recovering = None
-        self.events.recovery.set(recovery)
-        self.events.downtime.inc(recovery)
         self.events.emit("recovered", generation=self.generation, recovery_s=round(recovery, 3),
-                         step=self.findings.progress())
+                         step=self.findings.progress(), kind=self._recovering_kind)  # events.py: the metrics
 
     def _rearm_trackers(self) -> None:
         self.findings.rearm()
@@ -295,9 +296,8 @@ class Supervisor:
     def _detect(self, result: RunResult) -> dict[str, Any] | None:
         """The claim to make at this poll (None: nothing, or a symptom waiting for its cause)."""
         wg, ctx, dog = self.wg, self.workers.ctx, self.agent.watchdog
-        arrival = not self.rounds.snoozed(time.monotonic()) and (
-            wg.spec.rdzv_handler.num_nodes_waiting() > 0 or
-            self.rounds.arrived(self._ctl.store if self._ctl else None, self.nnodes))
+        arrival = not self.rounds.snoozed(time.monotonic()) and self.rounds.grows(  # elasticPolicy's counts
+            self._ctl.store if self._ctl else None, self.nnodes, wg.spec.rdzv_handler.num_nodes_waiting())
         view = View(generation=self.generation, node=self.node, nnodes=self.nnodes,
                     ranks={w.local_rank: w.global_rank for w in wg.workers}, pids=self.workers.pids(),
                     outputs=(ctx.stderrs, ctx.stdouts) if ctx is not None else (),
@@ -346,6 +346,9 @@ class Supervisor:
             self._host.start(self.generation, lambda: self.ctl.job_secret())  # its secret comes from the store
         self._prefetch()
         self._start_workers_logged(wg)
+        since = self.ledger.full_restart_at_start  # this incarnation follows a full job restart: its downtime
+        if since is not None:
+            self._recovering, self._recovering_kind = time.monotonic() - max(0.0, time.time() - since), "job"
         self.events.emit("started", generation=self.generation, nnodes=self.nnodes,
                          world_size=len(wg.workers) * self.nnodes, pids=list(self.workers.ctx.pids().values())
                          if self.workers.ctx else [], warm=self.workers.warm_ranks)
@@ -361,6 +364,7 @@ class Supervisor:
                 self._rearm_trackers()
             self._host.discover(self._ctl, self._local_host)
             if result.state == WorkerState.SUCCEEDED:
+                self.fidelity.post_train(self.generation, self.node)
                 self.ctl.mark_done(self.node)
                 self.agent._exit_barrier()
                 try:  # a spare at the gate may host the store: it leaves once every node got here
@@ -468,7 +472,7 @@ class Supervisor:
             self._prefetch()
             self._start_workers_logged(wg)
         handover = time.monotonic() - t_detect
-        self._recovering = t_detect  # recovery_s: at the first beat of every local rank (_report_recovery)
+        self._recovering, self._recovering_kind = t_detect, "process"  # recovery_s: at the first beat of every local rank
         if fault.get("detection_latency_s") is not None:
             self.events.detection.set(float(fault["detection_latency_s"]))
         self.events.emit("restart", generation=self.generation, kind="process", reason=fault.get("reason"),
@@ -508,7 +512,7 @@ class Supervisor:
         self._save_state(g + 1, self.ledger.full_restarts)
         self.generation = g + 1
         self._rearm_trackers()
-        self._recovering = t_detect  # ``recovered``: at the first beat of every local rank
+        self._recovering, self._recovering_kind = t_detect, "replace"  # ``recovered``: at the first beat of every local rank
         return True
 
     def _finish(self, decision: Decision, all_here: bool) -> RunResult:
@@ -519,6 +523,7 @@ class Supervisor:
         if all_here:  # the store's host must not leave while the others still read it
             self._barrier(keys.exited(g), timeout=30.0)
         if decision.action == Action.FULL_RESTART:
+            self.ledger.full_restart_at = time.time()  # its downtime runs until the next incarnation's first steps
             self._save_state(g + 1, self.ledger.full_restarts + 1)
             self.events.emit("restart", generation=g, kind="job", why=decision.reason)
             self.exit_code = FULL_RESTART_EXIT
@@ -573,6 +578,7 @@ class Supervisor:
         """torch's ``_start_workers`` hook: this generation's master, then ``Workers.start``."""
         g = self.generation
         addr, port = self._master_for(g)
+        self.fidelity.pre_train(g, self.node)  # --pre-train-script, at every (re)start of the processes
         extra = {resume.ENV: str(self.resume_before)} if self.resume_before is not None else {}
         extra.update(self._inproc_store.env(self.ctl, self.node, g, addr, timeout_s=max(60.0, self.opts.node_timeout_s)))
         self.agent._pcontext = ctx = self.workers.start(
@@ -625,6 +631,7 @@ class Supervisor:
         self.workers.close()  # the reaper first: the workers were stopped already
         self._detectors.close()
         self._host.close()
+        self.fidelity.close()
         self.events.close()
 
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:

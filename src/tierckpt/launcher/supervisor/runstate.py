@@ -50,7 +50,8 @@ class RunState:
     of the first start: activeDeadlineSeconds); ``hang`` (hang.Profile's dict); ``resume_before``
     (the NaN bound); ``membership_changes`` (arrivals, which cost no restart); ``offenses`` and
     ``avoid`` (avoid.py's repeat offenders and the last full restart's avoid list);
-    ``unhealthy_before`` (the backoff streak, escalation.py)."""
+    ``unhealthy_before`` (the backoff streak, escalation.py); ``full_restart_at`` (wall clock of the
+    full job restart this file was written for: the next incarnation's downtime starts there)."""
 
     next_generation: int = 0
     full_restarts: int = 0
@@ -62,6 +63,7 @@ class RunState:
     offenses: Any = None
     avoid: tuple[Any, ...] = ()
     unhealthy_before: int = 0
+    full_restart_at: float | None = None
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> RunState:
@@ -69,7 +71,7 @@ class RunState:
             v = raw.get(name)
             return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
-        started = raw.get("job_started")
+        started, down = raw.get("job_started"), raw.get("full_restart_at")
         bound = raw.get("resume_before")
         hang, avoid = raw.get("hang"), raw.get("avoid")
         return cls(next_generation=count("next_generation"), full_restarts=count("full_restarts"),
@@ -78,14 +80,17 @@ class RunState:
                    hang=dict(hang) if isinstance(hang, dict) else {}, restarts=count("restarts"),
                    resume_before=bound if isinstance(bound, int) and not isinstance(bound, bool) else None,
                    membership_changes=count("membership_changes"), offenses=raw.get("offenses"),
-                   avoid=tuple(avoid) if isinstance(avoid, list) else (), unhealthy_before=count("unhealthy_before"))
+                   avoid=tuple(avoid) if isinstance(avoid, list) else (), unhealthy_before=count("unhealthy_before"),
+                   full_restart_at=float(down) if isinstance(down, (int, float)) and not isinstance(down, bool)
+                   and math.isfinite(down) else None)
 
     def to_dict(self) -> dict[str, Any]:
         """The file's JSON object (the keys and their order as every earlier version wrote them)."""
         return {"next_generation": self.next_generation, "full_restarts": self.full_restarts,
                 "job_started": self.job_started, "hang": dict(self.hang), "restarts": self.restarts,
                 "resume_before": self.resume_before, "membership_changes": self.membership_changes,
-                "offenses": self.offenses, "avoid": list(self.avoid), "unhealthy_before": self.unhealthy_before}
+                "offenses": self.offenses, "avoid": list(self.avoid), "unhealthy_before": self.unhealthy_before,
+                "full_restart_at": self.full_restart_at}
 
 
 def _memory_path(opts: RunOptions, run_id: str) -> Path | None:

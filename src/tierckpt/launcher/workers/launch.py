@@ -57,6 +57,7 @@ def worker_envs(wg: WorkerGroup, *, generation: int, addr: str, port: int, stati
             "MASTER_ADDR": addr, "MASTER_PORT": str(port), workerenv.GENERATION: str(generation),
             # the generation is the restart count: job-wide, never per agent (pytorch#135712)
             "TORCHELASTIC_RESTART_COUNT": str(generation), "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            workerenv.JOB_RESTART_COUNT: str(generation),  # hyperpodrun's name for it
             "TORCHELASTIC_RUN_ID": spec.rdzv_handler.get_run_id(),
             **static,
         }
