@@ -71,6 +71,8 @@ class HostJob:
         #: ``--node-timeout`` when not None; the user's default (10 s) otherwise, as scenarios must run
         self.node_timeout = node_timeout
         self.max_restarts = max_restarts
+        #: the rendezvous backend (``--rdzv-backend``): c10d, or tierckpt (membership/rdzv.py)
+        self.rdzv_backend = os.environ.get("TIERCKPT_TEST_RDZV_BACKEND", "c10d")
         self.rdzv_id = f"job{os.getpid()}"
         self.secret = secrets.token_hex(32)
         self.head: Host | None = None
@@ -80,7 +82,7 @@ class HostJob:
     def command(self, host: Host, node: int) -> list[str]:
         assert self.head is not None
         cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes}", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint={self.head.ip}:{RDZV_PORT}", f"--rdzv-id={self.rdzv_id}",
+               f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint={self.head.ip}:{RDZV_PORT}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf=is_host={int(host is self.head)}", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.1", f"--namespace={NS}", "--memory-dir=/dev/shm/tierckpt",
                f"--events={self.events_path(host.name)}", *self.run_args]

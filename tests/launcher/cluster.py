@@ -117,6 +117,8 @@ class LocalJob:
         self.node_timeout = node_timeout
         self.max_restarts = max_restarts
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
+        #: the rendezvous backend (``--rdzv-backend``): c10d, or tierckpt (membership/rdzv.py)
+        self.rdzv_backend = os.environ.get("TIERCKPT_TEST_RDZV_BACKEND", "c10d")
         self.rdzv_id = f"job{self.port}"
         self.per_node_args: dict[int, list[str]] = {}
         #: the workers' module (``python -m``), given ``--workdir`` and ``train``
@@ -124,7 +126,7 @@ class LocalJob:
 
     def command(self, node: int) -> list[str]:
         cmd = [sys.executable, "-m", "tierckpt.cli", "run", f"--nnodes={self.nnodes_arg}", "--nproc-per-node=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
+               f"--rdzv-backend={self.rdzv_backend}", f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.rdzv_id}",
                f"--rdzv-conf=is_host={int(node == 0)}", f"--max-restarts={self.max_restarts}",
                "--monitor-interval=0.1", f"--namespace={NS}", f"--memory-dir={self.memory[node]}",
                f"--events={self.events_path(node)}", *self.run_args,

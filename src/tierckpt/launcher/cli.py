@@ -420,6 +420,9 @@ def launch(args: Namespace, opts: Any) -> int:
     # forked before torch's rendezvous handler starts its store threads; stops the workers if
     # this process dies (reaper.py)
     reaper = Reaper.fork()
+    from tierckpt.launcher.membership.rdzv import register as register_tierckpt_rdzv
+
+    register_tierckpt_rdzv()  # --rdzv-backend tierckpt (membership/rdzv.py)
     try:
         rdzv_handler = rdzv_registry.get_rendezvous_handler(params)
     except BaseException:

@@ -12,8 +12,9 @@ import pytest
 
 from tests.unit.launcher.conftest import client as _client
 from tierckpt.launcher.decide.offenders import OffenderPolicy
-from tierckpt.launcher.membership.avoid import RepeatOffenders, leave_round
+from tierckpt.launcher.membership.avoid import RepeatOffenders
 from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE
+from tierckpt.launcher.membership.torch_rdzv import leave_round
 
 
 def _claim(g: int, node: int | None, t: float, reason: str = "Crash") -> dict[str, Any]:

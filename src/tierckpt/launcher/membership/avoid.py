@@ -62,7 +62,7 @@ from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import peek
 from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy, attribute
 
-__all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided", "leave_round",
+__all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided",
            "publish_machine", "write_avoid_file"]
 
 
@@ -272,29 +272,3 @@ def _merge(store: Any, key: str, update: Callable[[dict[str, Any]], dict[str, An
             return new
 
 
-def leave_round(handler: Any) -> bool:
-    """Take this agent out of torch's completed rendezvous round, so that the others' next round
-    does not wait for its keep-alive to expire: stop the keep-alive beat and run the handler's own
-    exit operation (what ``next_rendezvous`` runs first). Private parts of torch's c10d
-    ``DynamicRendezvousHandler`` (read in torch 2.13), each looked up with ``getattr``; False when
-    one is missing (then only the keep-alive stops, if it can, and the others wait for its
-    expiry, ``keep_alive_interval x keep_alive_max_attempt``)."""
-    stop = getattr(handler, "_stop_heartbeats", None)
-    if not callable(stop):
-        return False
-    stop()
-    executor = getattr(handler, "_op_executor", None)
-    deadline = getattr(handler, "_get_deadline", None)
-    timeout = getattr(getattr(getattr(handler, "_settings", None), "timeout", None), "close", None)
-    try:
-        from torch.distributed.elastic.rendezvous.api import RendezvousError
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousExitOp
-    except ImportError:
-        return False
-    if executor is None or not callable(deadline) or timeout is None:
-        return False
-    try:
-        executor.run(_RendezvousExitOp(), deadline(timeout))
-    except RendezvousError:  # the store is busy or gone: the stopped keep-alive expires all the same
-        return False
-    return True

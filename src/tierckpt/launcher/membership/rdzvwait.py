@@ -6,11 +6,10 @@ Call order (the agent, around each rendezvous round, which blocks in torch):
         handler.next_rendezvous()
 
 A daemon thread prints the line on stderr ``first_after_s`` after the round began and every
-``every_s`` after that, until the block ends. The count comes from torch's dynamic (c10d)
-rendezvous state, which the waiting main thread re-reads from the store about once a second;
-this thread only reads it (``len`` of a dict). Private torch fields, read with ``getattr`` and
-a fallback: on a torch without them (or the static backend) the line says how many nodes are
-needed without the count (the fallback: tests/unit/launcher/test_right_by_default.py; the
+``every_s`` after that, until the block ends. The count comes from the handler (torch_rdzv.joined: ours reads one
+counter; torch's dynamic (c10d) state is re-read by the waiting main thread about once a second,
+and this thread only reads it): on a torch without those private fields (or the static backend)
+the line says how many nodes are needed without the count (the fallback: tests/unit/launcher/test_right_by_default.py; the
 count from torch: tests/launcher/test_right_by_default.py).
 """
 
@@ -20,24 +19,19 @@ import sys
 import threading
 from typing import Any, TextIO, TypeVar
 
+from tierckpt.launcher.membership import torch_rdzv
+
 __all__ = ["RendezvousProgress", "WhileBlocked", "joined", "where"]
 
 
 def joined(handler: Any) -> tuple[int | None, int | None]:
-    """(nodes in the current round so far, nodes needed) from torch's rendezvous state, or Nones."""
-    holder = getattr(handler, "_state_holder", None)
-    state = getattr(holder, "state", None) if holder is not None else None
-    participants = getattr(state, "participants", None)
-    settings = getattr(handler, "_settings", None)
-    needed = getattr(settings, "min_nodes", None)
-    count = len(participants) if isinstance(participants, dict) else None
-    return count, needed if isinstance(needed, int) else None
+    """(nodes in the current round so far, nodes needed), or Nones (torch_rdzv.py)."""
+    return torch_rdzv.joined(handler)
 
 
 def where(handler: Any, fallback: str) -> str:
     """HOST:PORT of the rendezvous store (``fallback`` when it cannot be read)."""
-    store = getattr(handler, "_store", None)
-    store = getattr(store, "underlying_store", store)
+    store = torch_rdzv.store_of(handler)
     host, port = getattr(store, "host", None), getattr(store, "port", None)
     return f"{host}:{port}" if host and port else fallback
 

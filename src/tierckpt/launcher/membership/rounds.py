@@ -30,14 +30,13 @@ from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import connect_client
 from tierckpt.launcher.decide.offenders import OffenderPolicy
 from tierckpt.launcher.events import Events
-from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership import ranks, torch_rdzv
 from tierckpt.launcher.membership.avoid import (
     Avoided,
     KeepOut,
     RepeatOffenders,
     agree_avoid,
     avoided,
-    leave_round,
     publish_machine,
     write_avoid_file,
 )
@@ -91,11 +90,9 @@ class Rounds:
         the state file's avoid list, read at the first gate only."""
         if self.held_rank is not None:
             return None
-        store = getattr(handler, "_store", None)
-        max_nodes = getattr(getattr(handler, "_settings", None), "max_nodes", None)
-        if store is None or not isinstance(max_nodes, int):
+        job_store, max_nodes = torch_rdzv.store_of(handler), torch_rdzv.max_nodes_of(handler)
+        if job_store is None or max_nodes is None:
             return None
-        job_store = getattr(store, "underlying_store", store)
         host, port = getattr(job_store, "host", None), getattr(job_store, "port", None)
         seats = FirstSeats(ranks.identity(self.opts.memory_dir), stale_s=self.opts.node_timeout_s,
                            connect=lambda: connect_client(str(host), int(port))) \
@@ -239,7 +236,7 @@ class Rounds:
         """This node is a repeat offender: out of torch's round; the next ``gate`` holds it as a
         node that holds no rank, behind every other spare waiting there (``SpareGate(offender=True)``).
         ``stood_aside()`` when that gate is over."""
-        leave_round(handler)
+        torch_rdzv.leave_round(handler)
         self.held_rank = None
         self._aside = True
 

@@ -56,12 +56,13 @@ from collections.abc import Callable
 from typing import Any
 
 from tierckpt.launcher.control import keys
+from tierckpt.launcher.membership import torch_rdzv
 from tierckpt.launcher.membership.change import Change
 from tierckpt.launcher.membership.rdzvwait import WhileBlocked
 from tierckpt.launcher.membership.seats import FirstSeats, SeatBeat, SeatWatch, take
 
 __all__ = ["JobEnded", "SpareGate", "SpareWatch", "arrivals", "finished", "open_seats", "publish_nodes", "report_round",
-           "spares_waiting", "standing_by"]
+           "spares_waiting"]
 
 _DONE = keys.done(0)  # JobControl.mark_done of group rank 0: the job finished
 
@@ -254,23 +255,6 @@ class SpareGate:
             self.on_warm()
 
 
-def standing_by(handler: Any) -> int | None:
-    """The number of nodes the running round has, if this agent waits in its redundancy list
-    (a spare); None otherwise or when torch's private state cannot be read (``getattr`` with
-    fallbacks, as ``rdzvwait.joined``)."""
-    holder = getattr(handler, "_state_holder", None)
-    state = getattr(holder, "state", None) if holder is not None else None
-    node = getattr(handler, "_this_node", None)
-    redundant = getattr(state, "redundancy_list", None)
-    participants = getattr(state, "participants", None)
-    if node is None or not isinstance(redundant, set) or not isinstance(participants, dict):
-        return None
-    try:
-        return len(participants) if node in redundant else None
-    except TypeError:  # an unhashable descriptor in some future torch
-        return None
-
-
 class SpareWatch(WhileBlocked):
     """Watches torch's rendezvous state while a round blocks; calls ``on_standby(job_nodes)`` once,
     from its own thread, when this agent is first found in the redundancy list."""
@@ -286,7 +270,7 @@ class SpareWatch(WhileBlocked):
 
     def _run(self) -> None:
         while not self._done.wait(self.every_s):
-            nodes = standing_by(self.handler)
+            nodes = torch_rdzv.standing_by(self.handler)
             if nodes is not None:
                 self.since = time.time()
                 try:

@@ -1,0 +1,236 @@
+"""``--rdzv-backend tierckpt``: torch elastic's rendezvous handler interface, one round on the job
+store with O(1) store operations per node (torch's c10d handler re-reads and rewrites the whole
+round state, O(N) per node and per keep-alive).
+
+Registered as ``tierckpt`` in torch elastic's handler registry (``register()``; ``tierckpt run``
+calls it, and the ``torchrun.handlers`` entry point makes it available to plain ``torchrun``), so
+``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf`` and ``--nnodes MIN:MAX`` keep their meaning.
+The store is the one torch's c10d backend would create from the same parameters (the endpoint's
+host serves it; ``is_host`` and ``read_timeout`` in ``--rdzv-conf`` as for c10d).
+
+A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integer):
+
+    round                 the open round k (absent: 0); raised to k+1 by the round's close
+    r<k>/n                arrivals in round k (``add``: the arrival index, 0 first)
+    r<k>/lead             the arrival index that leads round k (absent: 0, the first arrival)
+    r<k>/beat             the leader's counter while it decides (a waiting node takes over a stale one)
+    r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members
+    r<k>/...              the round's own store (``RendezvousInfo.store``: a PrefixStore), where the
+                          agents exchange their rank claims (ranks.py) and meet at the join barrier
+    closed                the rendezvous is closed (the job ended): no node joins again
+
+Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
+
+    next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1
+        i == leader:    poll r<k>/n until max_nodes arrived, or min_nodes and ``last_call_timeout``
+                        passed; set r<k>/world = N, then round = k+1             (the leader only)
+        everyone:       wait(r<k>/world) -> N; i < N: a member with rank i and world N
+                        (the supervisor's Rounds then gives every node its old rank back);
+                        i >= N: arrived after the close: join round k+1 (a node waiting there is
+                        what ``num_nodes_waiting`` counts while the running round is below max)
+    num_nodes_waiting(): one ``add(r<k+1>/n, 0)``: nodes waiting for the next round (0 at max_nodes)
+    set_closed() / shutdown(): set ``closed``; a node in next_rendezvous then raises
+                        RendezvousClosedError
+
+Cost: a node's join is four store operations (get, add, wait, get); the leader polls one counter
+while the round fills (every ``poll_s``); a running job costs one ``add`` per node per poll of
+``num_nodes_waiting`` and nothing else (the liveness of nodes is the launcher's own, liveness.py).
+A leader that dies before it closes the round stops beating; a node that sees its beat stand still
+for ``lead_stale_s`` takes the lead (``compare_set`` on r<k>/lead) and closes the round itself.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+
+from tierckpt.launcher.control.store import peek, store_errors, timeout_error
+
+__all__ = ["BACKEND", "TierckptRendezvousHandler", "create_handler", "handler_creator", "register"]
+
+BACKEND = "tierckpt"
+
+
+def _int(raw: bytes | None, default: int = 0) -> int:
+    return default if raw is None else int(raw)
+
+
+class TierckptRendezvousHandler(RendezvousHandler):
+    """One round on the job store per call of ``next_rendezvous``; see the module doc."""
+
+    def __init__(self, store: Any, run_id: str, *, min_nodes: int, max_nodes: int,
+                 join_timeout_s: float = 600.0, last_call_s: float = 1.0, poll_s: float = 0.01,
+                 lead_stale_s: float = 3.0) -> None:
+        if min_nodes < 1 or max_nodes < min_nodes:
+            raise ValueError(f"min_nodes {min_nodes} and max_nodes {max_nodes}: need 1 <= min <= max")
+        self.store = store  # the job store (a TCPStore): JobControl, liveness and the rounds share it
+        self.run_id = run_id
+        self.min_nodes, self.max_nodes = min_nodes, max_nodes
+        self.join_timeout_s = join_timeout_s
+        self.last_call_s = last_call_s
+        self.poll_s = poll_s
+        self.lead_stale_s = lead_stale_s
+        self._prefix = f"tierckpt/rdzv/{run_id}/"
+        self.round: int | None = None  # the round this node last joined as a member
+        self.world: int | None = None
+        self.arrived: tuple[int, int] | None = None  # (round, arrival index) while it waits in one
+
+    # ---- keys ----
+    def _key(self, name: str) -> str:
+        return self._prefix + name
+
+    def _r(self, k: int, name: str) -> str:
+        return self._prefix + f"r{k}/{name}"
+
+    # ---- torch's interface ----
+    def get_backend(self) -> str:
+        return BACKEND
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False  # the workers meet on a store of their own per generation (the supervisor's master)
+
+    def get_run_id(self) -> str:
+        return self.run_id
+
+    def is_closed(self) -> bool:
+        return peek(self.store, self._key("closed")) is not None
+
+    def set_closed(self) -> None:
+        self.store.set(self._key("closed"), b"1")
+
+    def shutdown(self) -> bool:
+        try:
+            self.set_closed()
+        except store_errors():
+            return False
+        return True
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes that arrived for the next round while this one runs below ``max_nodes``."""
+        if self.round is None or (self.world is not None and self.world >= self.max_nodes):
+            return 0
+        return int(self.store.add(self._r(self.round + 1, "n"), 0))
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        deadline = time.monotonic() + self.join_timeout_s
+        while True:
+            if self.is_closed():
+                raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
+            k = _int(peek(self.store, self._key("round")))
+            i = int(self.store.add(self._r(k, "n"), 1)) - 1
+            self.arrived = (k, i)
+            world = self._await_world(k, i, deadline)
+            if i < world:
+                self.round, self.world, self.arrived = k, world, None
+                round_store = self._round_store(k)
+                info = RendezvousStoreInfo(master_addr=str(getattr(self.store, "host", "127.0.0.1")),
+                                           master_port=int(getattr(self.store, "port", 0)))
+                return RendezvousInfo(round_store, i, world, info)
+            # arrived after the close: the next round (the close raised ``round`` already)
+
+    def _round_store(self, k: int) -> Any:
+        import torch.distributed as dist
+
+        return dist.PrefixStore(self._r(k, ""), self.store)  # type: ignore[attr-defined]
+
+    def _await_world(self, k: int, i: int, deadline: float) -> int:
+        """Round k's size: decided here if this node leads it, else waited for."""
+        if i == 0:
+            self._lead(k, deadline)
+        key = self._r(k, "world")
+        beat_seen, beat_at = -1, time.monotonic()
+        while True:
+            got = peek(self.store, key)
+            if got is not None:
+                return int(got)
+            now = time.monotonic()
+            if now > deadline:
+                raise RendezvousTimeoutError(f"round {k} of run {self.run_id!r} did not form within "
+                                             f"{self.join_timeout_s:g}s ({self._arrivals(k)} of {self.min_nodes} "
+                                             "nodes needed arrived)")
+            if self.is_closed():
+                raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
+            try:  # block on the key, a second at a time, so a stale leader is noticed
+                self.store.wait([key], datetime.timedelta(seconds=min(1.0, max(0.01, deadline - now))))
+                continue
+            except timeout_error():
+                pass
+            beat = _int(peek(self.store, self._r(k, "beat")), -1)
+            if beat != beat_seen:
+                beat_seen, beat_at = beat, time.monotonic()
+            elif time.monotonic() - beat_at >= self.lead_stale_s:
+                lead = peek(self.store, self._r(k, "lead"))
+                expected = lead if lead is not None else b""
+                took = bytes(self.store.compare_set(self._r(k, "lead"), expected, str(i).encode()))
+                if took == str(i).encode():
+                    self._lead(k, deadline)
+                beat_at = time.monotonic()
+
+    def _arrivals(self, k: int) -> int:
+        return int(self.store.add(self._r(k, "n"), 0))
+
+    def _lead(self, k: int, deadline: float) -> None:
+        """Decide round k: wait for max_nodes, or for min_nodes and the last call; close it."""
+        min_since: float | None = None
+        beat = self._r(k, "beat")
+        while True:
+            n = self._arrivals(k)
+            now = time.monotonic()
+            if n >= self.max_nodes:
+                break
+            if n >= self.min_nodes:
+                min_since = now if min_since is None else min_since
+                if now - min_since >= self.last_call_s:
+                    break
+            if now > deadline:
+                raise RendezvousTimeoutError(f"round {k} of run {self.run_id!r}: {n} of {self.min_nodes} nodes "
+                                             f"needed arrived within {self.join_timeout_s:g}s")
+            if self.is_closed():
+                raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
+            self.store.add(beat, 1)
+            time.sleep(self.poll_s)
+        world = min(n, self.max_nodes)
+        # compare_set: a leader that took over from a stale one and the stale one decide once between them
+        self.store.compare_set(self._r(k, "world"), b"", str(world).encode())
+        self.store.compare_set(self._key("round"), str(k).encode() if k else b"", str(k + 1).encode())
+
+    # ---- what the launcher reads (membership/torch_rdzv.py) ----
+    def joined(self) -> int | None:
+        """Arrivals so far in the round this node waits in (None when it waits in none)."""
+        arrived = self.arrived
+        return None if arrived is None else self._arrivals(arrived[0])
+
+
+def create_handler(params: RendezvousParameters) -> TierckptRendezvousHandler:
+    """torch's registry calls this with the launcher's parameters (``--rdzv-*``, ``--nnodes``)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+
+    _, store = create_backend(params)  # the same store, hosted by the same node, as c10d's
+    return TierckptRendezvousHandler(
+        store, params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
+        join_timeout_s=float(params.get_as_int("join_timeout", 600) or 600),
+        last_call_s=float(params.get("last_call_timeout", 1.0)),
+        lead_stale_s=float(params.get("lead_stale_timeout", 3.0)))
+
+
+def handler_creator() -> Any:
+    """The ``torchrun.handlers`` entry point: torch calls it for the creator to register."""
+    return create_handler
+
+
+def register() -> None:
+    """Register ``tierckpt`` in torch elastic's handler registry (again: a no-op)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    rendezvous_handler_registry.register(BACKEND, create_handler)

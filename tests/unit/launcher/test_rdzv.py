@@ -1,0 +1,192 @@
+"""``--rdzv-backend tierckpt`` (membership/rdzv.py) on a real TCPStore on 127.0.0.1, threads playing
+the nodes (each with its own client, as each agent has); torch's registry builds it from the same
+parameters as ``tierckpt run`` gives it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousTimeoutError
+
+from tierckpt.launcher.membership import torch_rdzv
+from tierckpt.launcher.membership.rdzv import BACKEND, TierckptRendezvousHandler, register
+
+
+@pytest.fixture
+def server() -> Iterator[Any]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    yield store
+    del store
+
+
+def _client(server: Any) -> Any:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
+
+
+def _handler(server: Any, *, run: str = "job", **kw: Any) -> TierckptRendezvousHandler:
+    kw.setdefault("min_nodes", 2)
+    kw.setdefault("max_nodes", 2)
+    kw.setdefault("last_call_s", 0.2)
+    kw.setdefault("lead_stale_s", 0.3)
+    return TierckptRendezvousHandler(_client(server), run, **kw)
+
+
+def _all(handlers: list[TierckptRendezvousHandler], *, stagger: float = 0.0) -> list[Any]:
+    """Every handler's ``next_rendezvous`` at once (each in its thread); (rank, world) or the error."""
+    out: list[Any] = [None] * len(handlers)
+
+    def one(i: int) -> None:
+        time.sleep(stagger * i)
+        try:
+            info = handlers[i].next_rendezvous()
+            out[i] = (info.rank, info.world_size)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_a_first_round_gives_each_node_a_rank_at_once(server: Any) -> None:
+    hs = [_handler(server, min_nodes=4, max_nodes=4) for _ in range(4)]
+    t0 = time.monotonic()
+    got = _all(hs)
+    took = time.monotonic() - t0
+    assert sorted(got) == [(0, 4), (1, 4), (2, 4), (3, 4)]
+    assert took < 5, "a round at max_nodes closes when the last node arrives, no last call"
+    assert all(h.num_nodes_waiting() == 0 for h in hs)
+
+
+def test_the_round_store_is_one_per_round_and_shared_by_its_members(server: Any) -> None:
+    hs = [_handler(server) for _ in range(2)]
+    infos: list[Any] = [None, None]
+
+    def one(i: int) -> None:
+        infos[i] = hs[i].next_rendezvous()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    infos[0].store.set("x", b"from-round-0")
+    assert infos[1].store.get("x") == b"from-round-0"
+    assert not server.check(["x"]), "the round's keys live under its own prefix"
+
+
+def test_below_max_the_round_closes_after_the_last_call_and_a_late_node_waits_for_the_next(server: Any) -> None:
+    hs = [_handler(server, min_nodes=1, max_nodes=3) for _ in range(2)]
+    assert sorted(_all(hs)) == [(0, 2), (1, 2)], "two nodes, min 1: the last call closes the round with both"
+    assert hs[0].num_nodes_waiting() == 0
+    late = _handler(server, min_nodes=1, max_nodes=3)
+    result: list[Any] = []
+    t = threading.Thread(target=lambda: result.append(late.next_rendezvous()))
+    t.start()
+    deadline = time.monotonic() + 10
+    while hs[0].num_nodes_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hs[0].num_nodes_waiting() == 1 and hs[1].num_nodes_waiting() == 1
+    again = _all(hs)  # the members re-rendezvous (a MembershipChange): the next round has three
+    t.join(30)
+    assert sorted([*again, (result[0].rank, result[0].world_size)]) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_a_node_that_arrives_after_the_close_joins_the_next_round(server: Any) -> None:
+    hs = [_handler(server, min_nodes=2, max_nodes=2) for _ in range(3)]
+    got = _all(hs, stagger=0.3)  # the third arrives after the first two closed round 0
+    members = [g for g in got if isinstance(g, tuple)]
+    assert sorted(members) == [(0, 2), (1, 2)] or len(members) == 2
+    # the third waits in round 1 (it times out here: no partner); at max, members see no one waiting
+    assert all(h.num_nodes_waiting() == 0 for h in hs if h.round == 0)
+
+
+def test_a_stale_leader_is_replaced_and_the_round_still_forms(server: Any) -> None:
+    ghost = _client(server)
+    ghost.add("tierckpt/rdzv/job/r0/n", 1)  # arrival 0 (the leader) dies before it decides
+    hs = [_handler(server, min_nodes=2, max_nodes=3) for _ in range(2)]
+    t0 = time.monotonic()
+    got = _all(hs)
+    assert sorted(got) == [(1, 3), (2, 3)], "the ghost's arrival counts; the others take the lead"
+    assert 0.3 <= time.monotonic() - t0 < 10
+
+
+def test_too_few_nodes_time_out_with_a_typed_error(server: Any) -> None:
+    h = _handler(server, min_nodes=2, max_nodes=2, join_timeout_s=0.5)
+    with pytest.raises(RendezvousTimeoutError, match="1 of 2"):
+        h.next_rendezvous()
+
+
+def test_a_closed_rendezvous_refuses_every_node(server: Any) -> None:
+    a, b = _handler(server), _handler(server)
+    assert a.shutdown() is True and a.is_closed() and b.is_closed()
+    with pytest.raises(RendezvousClosedError):
+        b.next_rendezvous()
+    other = _handler(server, run="other-job", join_timeout_s=0.3)
+    assert not other.is_closed(), "runs sharing a store are apart"
+
+
+def test_a_waiting_node_is_released_when_the_rendezvous_closes(server: Any) -> None:
+    a, b = _handler(server), _handler(server)
+    errs: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            a.next_rendezvous()
+        except BaseException as exc:  # noqa: BLE001
+            errs.append(exc)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.5)
+    b.set_closed()
+    t.join(10)
+    assert errs and isinstance(errs[0], RendezvousClosedError)
+
+
+def test_torchs_registry_builds_it_from_the_launchers_parameters(server: Any) -> None:
+    register()
+    register()  # again: a no-op
+    from torch.distributed.elastic.rendezvous import registry
+
+    params = RendezvousParameters(backend=BACKEND, endpoint=f"127.0.0.1:{server.port}", run_id="reg",
+                                  min_nodes=1, max_nodes=2, is_host="false", last_call_timeout="0.1")
+    h = registry.get_rendezvous_handler(params)
+    assert isinstance(h, TierckptRendezvousHandler) and h.get_backend() == BACKEND
+    assert (h.min_nodes, h.max_nodes, h.last_call_s, h.get_run_id()) == (1, 2, 0.1, "reg")
+    info = h.next_rendezvous()
+    assert (info.rank, info.world_size) == (0, 1)
+    assert torch_rdzv.store_of(h).port == server.port and torch_rdzv.max_nodes_of(h) == 2
+
+
+def test_the_launchers_reads_of_torchs_own_handler_still_work(server: Any) -> None:
+    """The torch privates torch_rdzv.py reads, pinned on this torch's c10d handler."""
+    from torch.distributed.elastic.rendezvous import registry
+
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{server.port}", run_id="pin",
+                                  min_nodes=1, max_nodes=3, is_host="false")
+    h = registry.get_rendezvous_handler(params)
+    try:
+        assert torch_rdzv.max_nodes_of(h) == 3
+        assert torch_rdzv.store_of(h) is not None and torch_rdzv.store_of(h).port == server.port
+        count, needed = torch_rdzv.joined(h)
+        assert needed == 1 and count == 0
+        assert torch_rdzv.standing_by(h) is None
+    finally:
+        h.shutdown()
+
+
+def _wait_for(cond: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
