@@ -43,9 +43,11 @@ RANKS = (0, 1)
 #: a load from memory or from the surviving peer takes well under a second here; an agent that
 #: still lists a lost host waits its 10 s peer deadline (``AgentLimits.peer_deadline_s``)
 LOAD_BOUND_S = 5.0
-#: a lost host's rank trains again on a waiting spare within this (issue 25's goal: 5 s, met on an
-#: idle box; the rendezvous round is issue 26's)
-SPARE_BACK_S = 8.0
+#: a lost host's rank trains again on a waiting spare within this. Not the goal (5 s: 4.5 s
+#: measured on an idle box, docs/launcher.md "Hot spares"): a bound that holds beside a CPU hog
+#: (9.8 s measured there, on 2 cores with the slow tier's other worker) and still fails the path
+#: that blamed the survivor and restarted it first (16.7-30.4 s)
+SPARE_BACK_S = 15.0
 
 def _agents(job: HostJob, name: str) -> dict[str, Any]:
     """The ``agent`` event of ``name``'s launcher: its hosted node agent's address."""
@@ -81,8 +83,8 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     back = max(first_step_after(job, r, gen) or 0.0 for r in RANKS) - t_kill
     fault = next(e for e in job.events(h0.name) if e["event"] == "fault")
     assert_lost_host_blamed(job, h0, fault, t_kill, node=1)
-    # both ranks train again on the spare within seconds (4.5 s measured on an idle box; 16.7-30.4 s
-    # before the diagnosis named the lost host): a bound with room for a loaded CI machine
+    # both ranks train again on the spare within seconds (4.5 s measured on an idle box, 9.8 s beside a
+    # CPU hog; 16.7-30.4 s before the diagnosis named the lost host): a bound that holds under load
     assert back <= SPARE_BACK_S, (back, job.report())
     codes = job.wait_exit(300, [h0.name, h2.name])
     assert codes == {h0.name: 0, h2.name: 0}, job.report()
