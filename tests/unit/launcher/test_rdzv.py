@@ -110,13 +110,21 @@ def test_a_node_that_arrives_after_the_close_joins_the_next_round(server: Any) -
     assert all(h.num_nodes_waiting() == 0 for h in hs if h.round == 0)
 
 
+def test_ranks_follow_host_names_then_pids_not_arrival_order(server: Any) -> None:
+    """As torch's c10d handler ranks its participants: a job started host by host gets host order."""
+    late_a, early_b = _handler(server), _handler(server)
+    late_a._host, early_b._host = "host-a", "host-b"
+    got = _all([early_b, late_a], stagger=0.3)  # host-b arrives first
+    assert got == [(1, 2), (0, 2)], got
+
+
 def test_a_stale_leader_is_replaced_and_the_round_still_forms(server: Any) -> None:
     ghost = _client(server)
     ghost.add("tierckpt/rdzv/job/r0/n", 1)  # arrival 0 (the leader) dies before it decides
     hs = [_handler(server, min_nodes=2, max_nodes=3) for _ in range(2)]
     t0 = time.monotonic()
     got = _all(hs)
-    assert sorted(got) == [(1, 3), (2, 3)], "the ghost's arrival counts; the others take the lead"
+    assert sorted(got) == [(0, 3), (1, 3)], "the ghost's arrival counts (ranked last); the others take the lead"
     assert 0.3 <= time.monotonic() - t0 < 10
 
 

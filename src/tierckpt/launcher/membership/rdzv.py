@@ -14,17 +14,21 @@ A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integ
     r<k>/n                arrivals in round k (``add``: the arrival index, 0 first)
     r<k>/lead             the arrival index that leads round k (absent: 0, the first arrival)
     r<k>/beat             the leader's counter while it decides (a waiting node takes over a stale one)
-    r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members
+    r<k>/who/<i>          arrival i's host name and pid
+    r<k>/rank/<i>         arrival i's rank in the round, set by the leader (one multi_set) before ...
+    r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members,
+                          ranked by (host name, pid) as torch's c10d handler ranks its participants
     r<k>/...              the round's own store (``RendezvousInfo.store``: a PrefixStore), where the
                           agents exchange their rank claims (ranks.py) and meet at the join barrier
     closed                the rendezvous is closed (the job ended): no node joins again
 
 Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
 
-    next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1
+    next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1; set(r<k>/who/<i>)
         i == leader:    poll r<k>/n until max_nodes arrived, or min_nodes and ``last_call_timeout``
-                        passed; set r<k>/world = N, then round = k+1             (the leader only)
-        everyone:       wait(r<k>/world) -> N; i < N: a member with rank i and world N
+                        passed; wait for the N members' who keys, read them (multi_get), set their
+                        ranks (multi_set), set r<k>/world = N, then round = k+1   (the leader only)
+        everyone:       wait(r<k>/world) -> N; i < N: a member, with get(r<k>/rank/<i>) and world N
                         (the supervisor's Rounds then gives every node its old rank back);
                         i >= N: arrived after the close: join round k+1 (a node waiting there is
                         what ``num_nodes_waiting`` counts while the running round is below max)
@@ -32,7 +36,7 @@ Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
     set_closed() / shutdown(): set ``closed``; a node in next_rendezvous then raises
                         RendezvousClosedError
 
-Cost: a node's join is four store operations (get, add, wait, get); the leader polls one counter
+Cost: a node's join is five store operations (get, add, set, wait, get); the leader polls one counter
 while the round fills (every ``poll_s``); a running job costs one ``add`` per node per poll of
 ``num_nodes_waiting`` and nothing else (the liveness of nodes is the launcher's own, liveness.py).
 A leader that dies before it closes the round stops beating; a node that sees its beat stand still
@@ -42,6 +46,8 @@ for ``lead_stale_s`` takes the lead (``compare_set`` on r<k>/lead) and closes th
 from __future__ import annotations
 
 import datetime
+import os
+import socket
 import time
 from typing import Any
 
@@ -81,6 +87,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
         self.poll_s = poll_s
         self.lead_stale_s = lead_stale_s
         self._prefix = f"tierckpt/rdzv/{run_id}/"
+        self._host = socket.getfqdn()
         self.round: int | None = None  # the round this node last joined as a member
         self.world: int | None = None
         self.arrived: tuple[int, int] | None = None  # (round, arrival index) while it waits in one
@@ -129,14 +136,16 @@ class TierckptRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
             k = _int(peek(self.store, self._key("round")))
             i = int(self.store.add(self._r(k, "n"), 1)) - 1
+            self.store.set(self._r(k, f"who/{i}"), f"{self._host}\n{os.getpid()}".encode())
             self.arrived = (k, i)
             world = self._await_world(k, i, deadline)
             if i < world:
+                rank = int(self.store.get(self._r(k, f"rank/{i}")))
                 self.round, self.world, self.arrived = k, world, None
                 round_store = self._round_store(k)
                 info = RendezvousStoreInfo(master_addr=str(getattr(self.store, "host", "127.0.0.1")),
                                            master_port=int(getattr(self.store, "port", 0)))
-                return RendezvousInfo(round_store, i, world, info)
+                return RendezvousInfo(round_store, rank, world, info)
             # arrived after the close: the next round (the close raised ``round`` already)
 
     def _round_store(self, k: int) -> Any:
@@ -201,9 +210,28 @@ class TierckptRendezvousHandler(RendezvousHandler):
             self.store.add(beat, 1)
             time.sleep(self.poll_s)
         world = min(n, self.max_nodes)
+        self._rank(k, world, deadline)
         # compare_set: a leader that took over from a stale one and the stale one decide once between them
         self.store.compare_set(self._r(k, "world"), b"", str(world).encode())
         self.store.compare_set(self._key("round"), str(k).encode() if k else b"", str(k + 1).encode())
+
+    def _rank(self, k: int, world: int, deadline: float) -> None:
+        """The members' ranks: by (host name, pid), as torch's c10d handler orders its participants
+        (a job started host by host gets its ranks in host order; ours keep them afterwards, ranks.py)."""
+        who = [self._r(k, f"who/{i}") for i in range(world)]
+        try:  # every member sets its key right after its arrival
+            self.store.wait(who, datetime.timedelta(seconds=max(0.01, min(self.lead_stale_s,
+                                                                          deadline - time.monotonic()))))
+            raws: list[bytes | None] = [bytes(r) for r in self.store.multi_get(who)]
+        except timeout_error():  # one died between its arrival and its key: it ranks last
+            raws = [peek(self.store, key) for key in who]
+        descs = []
+        for i, raw in enumerate(raws):
+            host, _, pid = (raw or "\uffff\n0".encode()).decode().partition("\n")
+            descs.append((host, int(pid or 0), i))
+        order = sorted(descs)
+        self.store.multi_set([self._r(k, f"rank/{i}") for _, _, i in order],
+                             [str(rank).encode() for rank in range(world)])
 
     # ---- what the launcher reads (membership/torch_rdzv.py) ----
     def joined(self) -> int | None:
