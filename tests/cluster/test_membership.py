@@ -53,7 +53,8 @@ def _agents(job: HostJob, name: str) -> dict[str, Any]:
     """The ``agent`` event of ``name``'s launcher: its hosted node agent's address."""
     return next(e for e in job.events(name) if e["event"] == "agent")
 
-def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -> None:
+@pytest.mark.parametrize("rdzv", ["c10d", "tierckpt"])
+def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any, rdzv: str) -> None:
     """``--nnodes 2:2`` on h0 + h1, a spare host h2 started once the job runs; h1 is killed; h2
     takes rank 1 in the next round (no full job restart), resumes it from h0's replica bit for bit,
     and the survivor and the spare replicate to each other afterwards."""
@@ -62,6 +63,7 @@ def test_spare_host_takes_the_lost_hosts_rank(cluster: Cluster, tmp_path: Any) -
     # 0.3 s steps: the job outlasts the spare's start-up and warm-up on a loaded machine
     job = HostJob(cluster, tmp_path / "job", nnodes="2:2", train=["--steps", str(steps), "--step-time", "0.3"],
                   run_args=["--replicas", "1", f"--agent-listen=0.0.0.0:{AGENT_PORT}"])
+    job.rdzv_backend = rdzv  # torch's c10d handler, or ours (membership/rdzv.py)
     job.form([h0, h1])
     h2 = cluster.add_host()  # the round is complete: its launcher can only stand by
     job.start_node(h2, 2)

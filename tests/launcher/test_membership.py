@@ -39,14 +39,16 @@ def _first_step_after(job: LocalJob, rank: int, generation: int) -> float | None
     return min(times) if times else None
 
 
+@pytest.mark.parametrize("rdzv", ["c10d", "tierckpt"])
 def test_hot_spare_takes_the_lost_nodes_rank(make_job: Callable[..., LocalJob],
-                                             fault_free: dict[int, dict[int, str]]) -> None:
+                                             fault_free: dict[int, dict[int, str]], rdzv: str) -> None:
     """A third agent on ``--nnodes 2:2`` stands by; node 1's machine is lost; the spare takes rank 1
     in the next round without a full job restart and resumes it from node 0's replica."""
     # 0.3 s steps (the same trajectory as the reference's 0.1 s: only the pace differs) so that the
     # job outlasts the spare's start-up and warm-up on a loaded machine
     job = make_job(train=["--steps", str(STEPS), "--step-time", "0.3"], run_args=["--replicas", "1"],
                    slots=3, nnodes_arg="2:2")
+    job.rdzv_backend = rdzv  # torch's c10d handler, or ours (membership/rdzv.py)
     job.start(order=[0, 1])
     job.wait_for(lambda: all(any(e["event"] == "started" for e in job.events(n)) for n in (0, 1)), 120,
                  "nodes 0 and 1 form the job")
@@ -97,13 +99,15 @@ def _state(job: LocalJob, node: int) -> dict[str, Any]:
     return dict(json.loads((Path(job.memory[node]) / ".tierckpt-run" / f"{job.rdzv_id}.json").read_text()))
 
 
+@pytest.mark.parametrize("rdzv", ["c10d", "tierckpt"])
 def test_elastic_job_shrinks_by_regroup_and_grows_without_spending_a_restart(
-        make_job: Callable[..., LocalJob]) -> None:
+        make_job: Callable[..., LocalJob], rdzv: str) -> None:
     """``--nnodes 1:2``: node 1's machine is lost, node 0 goes on alone through the survivors'
     regroup (no rendezvous round); node 1 comes back, the job grows to 2 nodes at the next poll,
     and that arrival costs no restart (the state file's ``restarts`` stays 1, the lost node's)."""
     steps = 500  # long enough for node 1's agent to start again on a loaded machine while rank 0 trains alone
     job = make_job(train=["--steps", str(steps), "--global-mode"], nnodes_arg="1:2")
+    job.rdzv_backend = rdzv
     job.start()
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 120, "both ranks reach step 8")
     job.wait_for(lambda: replica_steps(job.memory[0]), 30, "node 0 holds a replica")
