@@ -4,7 +4,7 @@ Records go to the ``tierckpt`` logger (and its children), and also to the config
 user logger when one is given. The library writes no file itself: handlers are the application's.
 ``namespace_log(namespace, directory)`` is the one file handler tierckpt offers, the seed's
 per-namespace log (``<directory>/<namespace>_checkpointing.log``, the seed's directory being
-``/var/log/sagemaker_checkpointing``); ``tierckpt run --namespace-log-dir`` attaches it.
+``/var/log/sagemaker_checkpointing``); ``tierckpt run --checkpointing-log-dir`` attaches it.
 """
 
 from __future__ import annotations

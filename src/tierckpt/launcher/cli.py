@@ -39,6 +39,10 @@ def build_parser() -> ArgumentParser:
 
     p = get_args_parser()
     p.prog = "tierckpt run"
+    # argparse reads every argument, the training script's too, as a possible abbreviation of an
+    # option: with both --server-host and --server-port, a script's own --server failed as
+    # "ambiguous" (and --name, once --namespace had a sibling). Options are spelled out in full.
+    p.allow_abbrev = False
     p.description = ("A torchrun drop-in that detects crashes, hangs, non-finite losses, log-rule faults and lost "
                      "nodes, restarts every worker in place with a new job-wide generation, and escalates per the "
                      "HyperPod runPolicy. Exit codes: 0 done, 1 failed, 2 bad arguments or job file, "
@@ -110,10 +114,10 @@ def build_parser() -> ArgumentParser:
                    "(docs/launcher.md, In-process restarts)")
     h.add_argument("--inprocess-timeout", "--inprocess_timeout", type=float, default=None,
                    help="accepted for hyperpodrun's command lines; tierckpt.resilient's own timeouts apply")
-    h.add_argument("--namespace-log-dir", default=os.environ.get("TIERCKPT_NAMESPACE_LOG_DIR") or None,
+    h.add_argument("--checkpointing-log-dir", default=os.environ.get("TIERCKPT_CHECKPOINTING_LOG_DIR") or None,
                    help="write this agent's log records to DIR/<namespace>_checkpointing.log, as the seed's "
                    "library writes /var/log/sagemaker_checkpointing/<namespace>_checkpointing.log (default "
-                   "$TIERCKPT_NAMESPACE_LOG_DIR, else no file)")
+                   "$TIERCKPT_CHECKPOINTING_LOG_DIR, else no file)")
     a = p.add_argument_group("tierckpt node agent (hosted for this node when one of these is given, or by "
                              "default on several nodes without --durable-url, unless an agent already serves the "
                              "memory root)")
@@ -267,7 +271,7 @@ def _options(args: Namespace) -> Any:
         api=ApiSettings(host=args.server_host, port=args.server_port),
         scripts=TrainScripts.from_args(pre=args.pre_train_script, pre_args=args.pre_train_args,
                                        post=args.post_train_script, post_args=args.post_train_args),
-        log_dir=_namespace_log_dir(args),
+        log_dir=_checkpointing_log_dir(args),
     )
 
 
@@ -293,15 +297,15 @@ def _stop_grace(args: Namespace) -> float:
     return wanted
 
 
-def _namespace_log_dir(args: Namespace) -> str | None:
-    d = args.namespace_log_dir
+def _checkpointing_log_dir(args: Namespace) -> str | None:
+    d = args.checkpointing_log_dir
     if d is None:
         return None
     if not args.namespace:
-        raise TierckptError("--namespace-log-dir names its file after the namespace; give --namespace too")
+        raise TierckptError("--checkpointing-log-dir names its file after the namespace; give --namespace too")
     from tierckpt.launcher import preflight
 
-    preflight.check_writable_dir("--namespace-log-dir", d)
+    preflight.check_writable_dir("--checkpointing-log-dir", d)
     return str(d)
 
 

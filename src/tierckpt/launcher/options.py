@@ -51,7 +51,7 @@ class RunOptions:
                                            offenders at full job restarts (avoid.AvoidSettings)
     api                                    --server-host/--server-port: the agent's HTTP API (agentapi.py)
     scripts                                --pre-train-script/--post-train-script (workers/hooks.py)
-    log_dir                                --namespace-log-dir: <dir>/<namespace>_checkpointing.log gets the
+    log_dir                                --checkpointing-log-dir: <dir>/<namespace>_checkpointing.log gets the
                                            agent's log records (None: no file)
     """
 

@@ -185,7 +185,7 @@ def test_a_bad_server_port_ends_tierckpt_run_before_any_worker(tmp_path: Path,
         held.listen(1)
         assert main(["--server-port", str(held.getsockname()[1]), str(script)]) == 2
     assert "cannot listen" in capsys.readouterr().err
-    assert main(["--namespace-log-dir", str(tmp_path), str(script)]) == 2
+    assert main(["--checkpointing-log-dir", str(tmp_path), str(script)]) == 2
     assert "give --namespace too" in capsys.readouterr().err
 
 
