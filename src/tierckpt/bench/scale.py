@@ -29,7 +29,16 @@ from typing import Any
 
 from tierckpt.bench.scale_sim import BenchError
 
-__all__ = ["main"]
+__all__ = ["Sims", "StoreHost", "cpu_seconds", "main", "plot_lines", "quick_resolver"]
+
+
+def quick_resolver() -> None:
+    """Give up a lost DNS query after 1 s (glibc's default: 5 s, then again) in this process and the
+    ones it starts. torch's c10d sockets name both ends with a reverse lookup (getnameinfo) on every
+    connect and in every timeout warning; ::ffff:127.0.0.1 is not in /etc/hosts, so each goes to the
+    resolver, and the one here drops a few percent of them: a client took 5 s to connect every few
+    dozen (4096 clients: ~15 minutes, the "slow accept" once put on the libuv server)."""
+    os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 _SERVER = ("import ctypes, datetime, signal, sys, torch.distributed as d\n"
            "ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: goes with the bench, even a SIGKILLed one\n"
@@ -38,7 +47,14 @@ _SERVER = ("import ctypes, datetime, signal, sys, torch.distributed as d\n"
            "print(s.port, flush=True)\nsys.stdin.read()\n")
 
 
-class _Host:
+def cpu_seconds(pid: int) -> float:
+    """Process ``pid``'s CPU seconds so far, user and system (/proc/<pid>/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class StoreHost:
     """The TCPStore server in its own process; ``cpu()`` is its CPU seconds so far (/proc)."""
 
     def __init__(self, libuv: bool) -> None:
@@ -48,16 +64,14 @@ class _Host:
             raise BenchError("the simulator process has no stdout pipe")
         self.port = int(self.proc.stdout.readline())
 
-    def __enter__(self) -> _Host:
+    def __enter__(self) -> StoreHost:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def cpu(self) -> float:
-        with open(f"/proc/{self.proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.proc.pid)
 
     def close(self) -> None:
         if self.proc.stdin is None or self.proc.stdout is None:
@@ -71,11 +85,13 @@ class _Host:
         self.proc.stdout.close()
 
 
-class _Sims:
-    """``procs`` simulation processes, each holding an equal share of the N node ids."""
+class Sims:
+    """``procs`` simulation processes, each holding an equal share of the N node ids; ``serve``
+    is their loop (scale_sim.py's unless given: rdzv_sim.py's for ``bench rdzv``)."""
 
-    def __init__(self, port: int, n: int, procs: int) -> None:
-        from tierckpt.bench.scale_sim import serve
+    def __init__(self, port: int, n: int, procs: int, serve: Any = None) -> None:
+        if serve is None:
+            from tierckpt.bench.scale_sim import serve
 
         ctx = mp.get_context("spawn")
         self.shares = [list(range(n))[k::procs] for k in range(min(procs, n))]
@@ -88,7 +104,7 @@ class _Sims:
             self.pipes.append(parent)
             self.procs.append(p)
 
-    def __enter__(self) -> _Sims:
+    def __enter__(self) -> Sims:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -130,7 +146,7 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
 
     settings = {"interval_s": a.interval, "node_timeout_s": a.node_timeout, "store_timeout_s": 600.0}
     out: dict[str, Any] = {}
-    with _Host(a.libuv) as host, _Sims(host.port, n, a.procs) as sims:
+    with StoreHost(a.libuv) as host, Sims(host.port, n, a.procs) as sims:
         if sims.ask([("ours", share, n, settings) for share in sims.shares], timeout=600) is None:
             raise TimeoutError(f"{n} simulated agents did not connect within 600 s")
         sims.all(("start",), 60)
@@ -176,7 +192,7 @@ def _ours(n: int, a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _counts(sims: _Sims) -> list[dict[str, Any]]:
+def _counts(sims: Sims) -> list[dict[str, Any]]:
     """Every process's counters, read while its agents run (a generation answers later)."""
     got = sims.all(("count",), 60)
     if got is None:
@@ -186,7 +202,7 @@ def _counts(sims: _Sims) -> list[dict[str, Any]]:
     return got
 
 
-def _gather(sims: _Sims, timeout: float) -> tuple[list[tuple[int, float, float]] | None, dict[str, int]]:
+def _gather(sims: Sims, timeout: float) -> tuple[list[tuple[int, float, float]] | None, dict[str, int]]:
     """Every process's answer to a generation: the agents that agreed on the next one, and why the
     others did not (counted by reason); ``None`` when a process did not answer within ``timeout``."""
     deadline = time.monotonic() + timeout
@@ -206,7 +222,7 @@ def _torch(n: int, a: argparse.Namespace) -> dict[str, Any]:
     conf = dict(kv.split("=", 1) for kv in a.torch_conf.split(",") if "=" in kv)
     settings = {"store_timeout_s": 600.0, "torch_conf": conf}
     out: dict[str, Any] = {}
-    with _Host(a.libuv) as host, _Sims(host.port, n, a.procs) as sims:
+    with StoreHost(a.libuv) as host, Sims(host.port, n, a.procs) as sims:
         if sims.ask([("torch", share, n, settings) for share in sims.shares], timeout=600) is None:
             raise TimeoutError(f"{n} simulated torch agents did not connect within 600 s")
         t0 = time.time()
@@ -297,6 +313,12 @@ def series(rows: dict[int, dict[str, Any]], cap: float) -> dict[str, list[float 
 
 def _plot(rows: dict[int, dict[str, Any]], cap: float, path: str) -> bool:
     """Write the PNG at ``path``: seconds per simulated N, log-log; False without matplotlib."""
+    return plot_lines(list(rows), series(rows, cap), "tierckpt control plane: recovery time per cluster size", path)
+
+
+def plot_lines(ns: list[int], lines: dict[str, list[float | None]], title: str, path: str) -> bool:
+    """Seconds per simulated N, log-log, one line per ``lines`` entry (None: no point; a label
+    naming torch is drawn dashed); False without matplotlib."""
     try:
         import matplotlib
 
@@ -305,17 +327,16 @@ def _plot(rows: dict[int, dict[str, Any]], cap: float, path: str) -> bool:
     except ImportError:
         print("--plot needs matplotlib: pip install 'tierckpt[bench]' (or matplotlib)", file=sys.stderr)
         return False
-    ns = list(rows)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for label, ys in series(rows, cap).items():
-        torch_line = label.startswith("re-rendezvous (torch")
+    for label, ys in lines.items():
+        torch_line = "torch" in label
         ax.plot(ns, [float("nan") if y is None else y for y in ys], marker="x" if torch_line else "o",
                 linestyle="--" if torch_line else "-", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("simulated nodes")
     ax.set_ylabel("seconds")
-    ax.set_title("tierckpt control plane: recovery time per cluster size")
+    ax.set_title(title)
     ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path)
@@ -338,6 +359,7 @@ def main(argv: list[str]) -> int:
                    help="libuv store server (torch's default; accepts a client every ~150 ms on some boxes)")
     p.add_argument("--plot", metavar="PNG", help="plot the times per N (needs matplotlib)")
     a = p.parse_args(argv)
+    quick_resolver()
     before = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _run(a)

@@ -18,6 +18,7 @@ SUITES = {
     "wire": "ways to authenticate the peer stream (TLS 1.3, HMAC, GMAC, BLAKE3) against a plain socket copy",
     "recovery": "tierckpt run against torchrun: SIGKILL, SIGSTOP, NaN, lost node (--compile: in-process too)",
     "scale": "the launcher's control plane at N simulated nodes against torch's c10d rendezvous",
+    "rdzv": "--rdzv-backend tierckpt at N simulated nodes (to 4096): rounds, a lost node with a spare, steady state",
     "data": "the first batch after a restart: a kept or warm-started loader against a plain DataLoader rebuilt",
     "gpu": "CUDA: overlapped save stall against the device-to-host copy; in-process restart (NCCL)",
 }

@@ -67,6 +67,29 @@ def test_a_first_round_gives_each_node_a_rank_at_once(server: Any) -> None:
     assert all(h.num_nodes_waiting() == 0 for h in hs)
 
 
+def test_on_the_legacy_store_server_the_members_wake_when_the_round_closes() -> None:
+    """torch's legacy TCPStore server (use_libuv=False, the one bench scale and bench rdzv host) wakes
+    no waiter on a ``compare_set``: before the leader also ``set`` the world key, every member saw the
+    close only when its 1 s wait ran out (64 nodes: 1 s for most, 6 s for some)."""
+    legacy = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=False)
+    hs = [_handler(legacy, min_nodes=3, max_nodes=3) for _ in range(3)]
+    done: list[float] = []
+
+    def one(i: int) -> None:
+        hs[i].next_rendezvous()
+        done.append(time.monotonic())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(done) == 3
+    assert max(done) - t0 < 0.9, "a member waited out its 1 s wait: the close did not wake it"
+    del legacy
+
+
 def test_the_round_store_is_one_per_round_and_shared_by_its_members(server: Any) -> None:
     hs = [_handler(server) for _ in range(2)]
     infos: list[Any] = [None, None]

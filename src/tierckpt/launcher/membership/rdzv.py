@@ -27,7 +27,8 @@ Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
     next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1; set(r<k>/who/<i>)
         i == leader:    poll r<k>/n until max_nodes arrived, or min_nodes and ``last_call_timeout``
                         passed; wait for the N members' who keys, read them (multi_get), set their
-                        ranks (multi_set), set r<k>/world = N, then round = k+1   (the leader only)
+                        ranks (multi_set), set r<k>/world = N (compare_set, then set: the wake-up),
+                        then round = k+1                                         (the leader only)
         everyone:       wait(r<k>/world) -> N; i < N: a member, with get(r<k>/rank/<i>) and world N
                         (the supervisor's Rounds then gives every node its old rank back);
                         i >= N: arrived after the close: join round k+1 (a node waiting there is
@@ -211,8 +212,12 @@ class TierckptRendezvousHandler(RendezvousHandler):
             time.sleep(self.poll_s)
         world = min(n, self.max_nodes)
         self._rank(k, world, deadline)
-        # compare_set: a leader that took over from a stale one and the stale one decide once between them
-        self.store.compare_set(self._r(k, "world"), b"", str(world).encode())
+        # compare_set: a leader that took over from a stale one and the stale one decide once between them;
+        # then set the decided value again (the same bytes), since torch's legacy TCPStore server
+        # (use_libuv=False) wakes no waiter on a compare_set: the members would see the close only at the
+        # end of their 1 s wait (and, at 64 nodes, some of them 6 s late; bench rdzv)
+        key = self._r(k, "world")
+        self.store.set(key, bytes(self.store.compare_set(key, b"", str(world).encode())))
         self.store.compare_set(self._key("round"), str(k).encode() if k else b"", str(k + 1).encode())
 
     def _rank(self, k: int, world: int, deadline: float) -> None:

@@ -1,0 +1,157 @@
+"""Simulated agents for ``bench rdzv``: the real ``TierckptRendezvousHandler``, many per process.
+
+Each agent is a handler on a TCPStore client of its own (the handler blocks in the store's
+``wait``, so agents cannot share one), counted (storecount.py). A thread per agent exists only
+while that agent is inside ``next_rendezvous`` (blocked in ``wait`` nearly all the time); the
+steady state is one thread per process that polls every member's ``num_nodes_waiting`` once per
+interval, as each agent's monitor loop does. Call order (the parent, rdzv.py, over a pipe to each
+process, every process alike):
+
+    ("connect", agents, n, settings) → {"connected": count}
+    ("round", agents, claims) → the listed agents' next_rendezvous at once; with ``claims`` each
+        then exchanges its rank claim in the round's store (membership/ranks.py: a member of the
+        last round keeps its rank, a newcomer takes a free one) →
+        {"done": [(agent, arrived, returned, handler rank, world, group rank, ranked)], "failed": {why: count}}
+    ("steady", interval_s, window_s, below_max) → {"ops", "polls", "ticks"}
+    ("exit",) → "bye"; the parent ends a process that overruns its limit by pid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import multiprocessing
+import os
+import resource
+import signal
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
+from tierckpt.testing.storecount import Counter, CountingStore
+
+__all__ = ["serve"]
+
+_STACK = 256 * 1024  # an agent's thread mostly sits in one blocking call: 4096 of them fit in memory
+
+
+class _Stamped(CountingStore):
+    """A counted client that notes when its agent arrived in a round (the handler's ``add(r<k>/n, 1)``)."""
+
+    arrived: float | None = None
+
+    def add(self, key: str, amount: int) -> int:
+        got = super().add(key, amount)
+        if amount == 1 and key.endswith("/n"):
+            self.arrived = time.time()
+        return got
+
+
+class _Agents:
+    """This process's share of the agents: a handler each, and the group rank each holds."""
+
+    def __init__(self, port: int, agents: list[int], n: int, s: dict[str, Any], lock: Any) -> None:
+        import torch.distributed as dist
+
+        self.ops = Counter()
+        self.stores: dict[int, _Stamped] = {}
+        self.handlers: dict[int, TierckptRendezvousHandler] = {}
+        self.rank: dict[int, int] = {}  # group rank after the last round (the ranks exchange's, else the handler's)
+        for i in agents:
+            with lock:  # one process connects at a time (scale_sim.py: parallel connects stall on this box)
+                client = dist.TCPStore("127.0.0.1", port, is_master=False,  # type: ignore[attr-defined]
+                                       timeout=datetime.timedelta(seconds=s["store_timeout_s"]))
+            self.stores[i] = _Stamped(client, self.ops)
+            self.handlers[i] = TierckptRendezvousHandler(self.stores[i], "bench", min_nodes=n, max_nodes=n,
+                                                         join_timeout_s=s["join_timeout_s"], poll_s=s["poll_s"])
+
+    def round(self, agents: list[int], claims: bool) -> dict[str, Any]:
+        out: list[tuple[int, float, float, int, int, int, float]] = []
+        failed: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def agent(i: int) -> None:
+            try:
+                out.append(self._agent(i, claims))
+            except Exception as exc:  # a timed-out wait, a closed rendezvous: the table names it
+                why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+                with lock:
+                    failed[why] = failed.get(why, 0) + 1
+
+        threading.stack_size(_STACK)
+        threads = [threading.Thread(target=agent, args=(i,), daemon=True) for i in agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return {"done": out, "failed": failed}
+
+    def _agent(self, i: int, claims: bool) -> tuple[int, float, float, int, int, int, float]:
+        from tierckpt.launcher.membership.ranks import Claim, exchange_round
+
+        info = self.handlers[i].next_rendezvous()
+        returned = time.time()
+        arrived = self.stores[i].arrived or returned
+        rank, ranked = info.rank, returned
+        if claims:
+            prior = self.rank.get(i)
+            rank = exchange_round(info.store, info.rank, info.world_size,
+                                  Claim(prior=prior, survivor=prior is not None, identity=f"sim{i}"))[0]
+            ranked = time.time()
+        self.rank[i] = rank
+        return i, arrived, returned, info.rank, info.world_size, rank, ranked
+
+    def steady(self, interval_s: float, window_s: float, below_max: bool) -> dict[str, Any]:
+        """Every member's ``num_nodes_waiting`` once per interval for ``window_s``: at ``max_nodes``
+        (the handler answers without the store) or, ``below_max``, as an elastic job below its max."""
+        members = [h for h in self.handlers.values() if h.round is not None]
+        saved = [h.max_nodes for h in members]
+        if below_max:
+            for h in members:
+                h.max_nodes = (h.world or h.max_nodes) + 1
+        try:
+            ops0, polls, ticks = self.ops.value, 0, 0
+            end = time.monotonic() + window_s
+            next_tick = time.monotonic()
+            while time.monotonic() < end:
+                for h in members:
+                    h.num_nodes_waiting()
+                polls += len(members)
+                ticks += 1
+                next_tick += interval_s
+                time.sleep(max(0.0, next_tick - time.monotonic()))
+            return {"ops": self.ops.value - ops0, "polls": polls, "ticks": ticks}
+        finally:
+            for h, m in zip(members, saved, strict=True):
+                h.max_nodes = m
+
+
+def serve(conn: Connection, port: int, connect_lock: Any) -> None:
+    """A simulation process's loop (multiprocessing target); see the module docstring."""
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: ends with the bench, even a SIGKILLed one
+    bench = multiprocessing.parent_process()
+    if bench is not None and os.getppid() != bench.pid:  # it died while this one imported: no signal will come
+        os._exit(0)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # a socket per agent
+    agents: _Agents | None = None
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the bench is gone
+            os._exit(0)
+        op = msg[0]
+        if op == "connect":
+            agents = _Agents(port, msg[1], msg[2], msg[3], connect_lock)
+            conn.send({"connected": len(agents.handlers)})
+        elif op == "exit":
+            conn.send("bye")
+            return
+        elif agents is None:
+            conn.send({"error": f"{op!r} before connect"})
+        elif op == "round":
+            conn.send(agents.round(msg[1], msg[2]))
+        elif op == "steady":
+            conn.send(agents.steady(msg[1], msg[2], msg[3]))

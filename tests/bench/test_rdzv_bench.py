@@ -1,0 +1,62 @@
+"""``tierckpt bench rdzv`` at 8 simulated nodes: every phase reports sane figures, the ranks are a
+permutation, the spare holds the lost node's rank, and no simulation or store process is left.
+Timings are judged loosely only (the box is shared): each phase well under its limit."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+from pathlib import Path
+
+import matplotlib.image as mpimg  # a dev requirement, as for bench scale
+import pytest
+
+from tierckpt.bench import rdzv
+
+
+def _args(**kw: object) -> argparse.Namespace:
+    a = dict(procs=2, interval=0.1, window=0.5, poll=0.01, join_timeout=60.0, claims_max=64, torch_max=0,
+             rdzv_cap=5.0, torch_conf="", libuv=False, plot=None)
+    a.update(kw)
+    return argparse.Namespace(**a)
+
+
+def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() -> None:
+    before = {p.pid for p in multiprocessing.active_children()}
+    got = rdzv.run_n(8, _args())
+    assert "error" not in got, got
+    first, lost = got["first"], got["lost"]
+    assert first["ranks_ok"] and not first["failed"]
+    assert 0 <= first["s"] < 10 and 0 <= first["spread_s"] < 10
+    assert first["store_cpu"] >= 0 and first["sim_cpu"] >= 0
+    assert got["steady_at_max"]["ops_per_node_interval"] == 0  # at max_nodes the handler answers alone
+    assert got["steady_below_max"]["ops_per_node_interval"] == pytest.approx(1.0)  # one add per poll
+    assert got["steady_below_max"]["intervals"] >= 2
+    assert lost["handler_ranks_ok"] and not lost["failed"]
+    assert lost["spare_holds_lost_rank"], "the survivors keep their ranks, the spare takes the lost one's"
+    assert 0 <= lost["reformed_s"] <= lost["ranked_s"] < 20
+    assert {p.pid for p in multiprocessing.active_children()} <= before
+
+
+def test_table_goals_and_series_read_every_figure(tmp_path: Path) -> None:
+    ours = {"first": {"s": 0.01, "spread_s": 0.02, "ranks_ok": True, "failed": {}, "store_cpu": 0.1, "sim_cpu": 0.5},
+            "steady_at_max": {"ops_per_node_interval": 0.0, "store_cpu": 0.0},
+            "steady_below_max": {"ops_per_node_interval": 1.0, "store_cpu": 0.2},
+            "lost": {"reformed_s": 0.05, "ranked_s": 0.2, "spare_holds_lost_rank": True, "handler_ranks_ok": True,
+                     "failed": {}, "store_cpu": 0.3, "sim_cpu": 0.6}}
+    slow = {**ours, "lost": {**ours["lost"], "ranked_s": 9.0}}
+    rows = {64: {"ours": ours, "torch": {"first_rdzv_s": 2.5, "rerdzv_s": None}},
+            1024: {"ours": slow, "torch": {}}}
+    text = rdzv.table(rows, 60.0)
+    assert "0.010 s" in text and "0.200 s (yes)" in text and "> 60 s" in text and "not run" in text
+    lines = rdzv.goals(rows)
+    assert any(x.startswith("PASS") and "64 nodes: first rendezvous" in x for x in lines)
+    assert any(x.startswith("MISS") and "1024 nodes: lost node" in x for x in lines)
+    assert any(x.startswith("N/A") and "4096" in x for x in lines)
+    assert any(x.startswith("PASS") and "O(1)" in x for x in lines)
+    lines_ = rdzv.series(rows, 60.0)
+    assert lines_["first rendezvous (tierckpt)"] == [0.01, 0.01]
+    assert lines_["lost node → re-rendezvous (torch c10d; 60 s = did not finish)"] == [60.0, None]
+    png = tmp_path / "rdzv.png"
+    assert rdzv.plot_lines([64, 1024], lines_, "t", str(png))
+    assert mpimg.imread(png).shape[:2] == (400, 700)
