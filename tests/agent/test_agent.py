@@ -4,6 +4,7 @@ transfers, hostile clients, the node budget and flush. Each node is an agent wit
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import shutil
 import socket
@@ -171,6 +172,10 @@ def _closed_by_server(s: socket.socket) -> bool:
                 return True
     except ConnectionResetError:
         return True
+    except OSError as exc:  # ENOTCONN: the server's close reached it first (a timeout is no close)
+        if exc.errno == errno.ENOTCONN:
+            return True
+        raise
     finally:
         s.close()
 
@@ -182,10 +187,16 @@ def test_hostile_clients_are_disconnected_and_good_ones_served(node_dir, agent) 
     # garbage, an oversize length, a truncated frame
     for payload in (b"GET / HTTP/1.1\r\n\r\n", p.HEADER.pack(p.MAGIC, 1 << 30), p.encode({"op": "auth"})[:11]):
         s = _raw(a.address)
-        s.sendall(payload)
-        if payload.startswith(p.MAGIC) and len(payload) == 11:
-            s.shutdown(socket.SHUT_WR)
-        assert _closed_by_server(s)
+        try:
+            s.sendall(payload)
+            if payload.startswith(p.MAGIC) and len(payload) == 11:
+                try:
+                    s.shutdown(socket.SHUT_WR)
+                except OSError:  # the server closed it first (a loaded machine: ENOTCONN): what is tested
+                    pass
+            assert _closed_by_server(s)
+        finally:
+            s.close()  # an unclosed socket surfaces as a ResourceWarning in a later test's gc
     # a wrong secret
     with pytest.raises(PeerError, match="authentication|refused"):
         PeerClient.connect(a.address, "node-z", b"wrong")
