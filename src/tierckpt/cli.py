@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -123,11 +124,15 @@ def _hand_globals_to_wing(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    as_program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["run"]:  # torchrun's own parser takes the rest
         from tierckpt.launcher.cli import main as run_main
 
-        return run_main(argv[1:])
+        code = run_main(argv[1:])
+        if as_program:
+            _exit_as_decided(code)
+        return code
     args = _parser().parse_args(argv)
     _hand_globals_to_wing(args, argv)
     from tierckpt.commands import progress
@@ -141,6 +146,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tierckpt: interrupted", file=sys.stderr)
         return 130
+
+
+def _exit_as_decided(code: int) -> None:
+    """``tierckpt run`` as a program, once it closed its parts: exit with the code it decided (75
+    asks the scheduler for a full restart), without the interpreter's finalization, where a store
+    thread still blocked in a wait could abort the process (SIGABRT, "terminate called without an
+    active exception": a launcher that had written its exit 75 event exited -6 beside a CPU hog)."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
