@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from typing import Any
 
-from tierckpt.bench.scale import Sims, StoreHost, cpu_seconds, plot_lines, quick_resolver
+from tierckpt.bench.scale import Sims, StoreHost, cpu_seconds, plot_lines, run_unwinding
 
 __all__ = ["GOALS", "goals", "main", "run_n", "series", "table"]
 
@@ -197,19 +196,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--torch-conf", default="", help="torch handler settings, k=v,... (default: torchrun's)")
     p.add_argument("--libuv", action="store_true", help="libuv store server (torch's default)")
     p.add_argument("--plot", metavar="PNG", help="plot the times per N (needs matplotlib)")
-    a = p.parse_args(argv)
-    quick_resolver()
-    before = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return _run(a)
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
-def _exit_on(signum: int, _frame: object) -> None:
-    """SIGTERM/SIGHUP unwind like Ctrl-C: every ``with`` closes its store and simulation processes."""
-    raise SystemExit(128 + signum)
+    return run_unwinding(_run, p.parse_args(argv))
 
 
 def _run(a: argparse.Namespace) -> int:

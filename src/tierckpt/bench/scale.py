@@ -25,11 +25,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from tierckpt.bench.scale_sim import BenchError
 
-__all__ = ["Sims", "StoreHost", "cpu_seconds", "main", "plot_lines", "quick_resolver"]
+__all__ = ["Sims", "StoreHost", "cpu_seconds", "main", "plot_lines", "quick_resolver", "run_unwinding"]
 
 
 def quick_resolver() -> None:
@@ -358,11 +359,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--libuv", action="store_true",
                    help="libuv store server (torch's default; accepts a client every ~150 ms on some boxes)")
     p.add_argument("--plot", metavar="PNG", help="plot the times per N (needs matplotlib)")
-    a = p.parse_args(argv)
+    return run_unwinding(_run, p.parse_args(argv))
+
+
+def run_unwinding(run: Callable[[argparse.Namespace], int], a: argparse.Namespace) -> int:
+    """A bench's ``run(a)`` with the quick resolver, and SIGTERM/SIGHUP unwinding like Ctrl-C
+    (``_exit_on``) while it runs; the previous handlers come back after it."""
     quick_resolver()
     before = {sig: signal.signal(sig, _exit_on) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        return _run(a)
+        return run(a)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)
