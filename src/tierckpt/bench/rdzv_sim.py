@@ -10,7 +10,7 @@ process, every process alike):
     ("connect", agents, n, settings) → {"connected": count}
     ("round", agents, claims) → the listed agents' next_rendezvous at once; with ``claims`` each
         then exchanges its rank claim in the round's store (membership/ranks.py: a member of the
-        last round keeps its rank, a newcomer takes a free one) →
+        last round keeps its rank and names the membership it knew, a newcomer takes a free one) →
         {"done": [(agent, arrived, returned, handler rank, world, group rank, ranked)], "failed": {why: count}}
     ("steady", interval_s, window_s, below_max) → {"ops", "polls", "ticks"}
     ("exit",) → "bye"; the parent ends a process that overruns its limit by pid.
@@ -59,6 +59,7 @@ class _Agents:
         self.stores: dict[int, _Stamped] = {}
         self.handlers: dict[int, TierckptRendezvousHandler] = {}
         self.rank: dict[int, int] = {}  # group rank after the last round (the ranks exchange's, else the handler's)
+        self.members: dict[int, dict[int, str]] = {}  # each agent's view of the last round (the exchange's)
         for i in agents:
             with lock:  # one process connects at a time (scale_sim.py: parallel connects stall on this box)
                 client = dist.TCPStore("127.0.0.1", port, is_master=False,  # type: ignore[attr-defined]
@@ -97,8 +98,11 @@ class _Agents:
         rank, ranked = info.rank, returned
         if claims:
             prior = self.rank.get(i)
-            rank = exchange_round(info.store, info.rank, info.world_size,
-                                  Claim(prior=prior, survivor=prior is not None, identity=f"sim{i}"))[0]
+            members = self.members.get(i) if prior is not None else None
+            rank, _, self.members[i] = exchange_round(
+                info.store, info.rank, info.world_size,
+                Claim(prior=prior, survivor=prior is not None, identity=f"sim{i:05d}:/dev/shm/tierckpt",
+                      members=members))
             ranked = time.time()
         self.rank[i] = rank
         return i, arrived, returned, info.rank, info.world_size, rank, ranked

@@ -4,10 +4,15 @@ repeat offenders): ``server`` is the store host, ``client(server)`` one more cli
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# torch names both ends of every store connection with a reverse lookup that the resolver here
+# drops now and then (5 s each, glibc's default; bench/scale.py quick_resolver): give up after 1 s
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 
 @pytest.fixture

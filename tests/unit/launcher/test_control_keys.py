@@ -64,6 +64,11 @@ PINNED = [
     (keys.JOINED, "tierckpt/joined"),
     (keys.counter_done(keys.JOINED), "tierckpt/joined/done"),
     (keys.rank_claim(3), "tierckpt/rank-claim/3"),
+    (keys.rank_known("ab12"), "tierckpt/rank-known/ab12"),
+    (keys.rank_known_count("ab12"), "tierckpt/rank-known/ab12/n"),
+    (keys.rank_decided(3), "tierckpt/rank/3"),
+    (keys.RANK_MEMBERS, "tierckpt/rank-members"),
+    (keys.RANK_DECIDED, "tierckpt/rank-decided"),
 ]
 
 

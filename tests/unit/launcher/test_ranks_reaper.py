@@ -31,26 +31,6 @@ def test_assign_ignores_ranks_beyond_a_smaller_job() -> None:
     assert sorted(assign([Claim(prior=None)] * 4)) == [0, 1, 2, 3]
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.d: dict[str, bytes] = {}
-
-    def set(self, k: str, v: bytes) -> None:
-        self.d[k] = v
-
-    def get(self, k: str) -> bytes:
-        return self.d[k]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.d for k in keys)
-
-
-def test_exchange_reads_every_claim_from_the_round_store() -> None:
-    store = _Store()
-    store.set("tierckpt/rank-claim/1", Claim(prior=0).to_json())
-    assert ranks.exchange(store, 0, 2, Claim(prior=1, survivor=True)) == 1
-
-
 def test_prior_rank_kept_beside_the_memory_tier(tmp_path: Path) -> None:
     assert ranks.load_prior(str(tmp_path), "job") is None
     assert ranks.save_prior(str(tmp_path), "job", 3, 4) is None

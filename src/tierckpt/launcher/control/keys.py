@@ -45,17 +45,22 @@ group rank; a counter is only ever ``add``ed, a claim is the first ``compare_set
 On the store of one rendezvous round (torch's, prefixed per round):
 
     tierckpt/joined                        the join barrier's counter (+ /done)
-    tierckpt/rank-claim/<torch rank>       an agent's rank claim (ranks.Claim, JSON)
+    tierckpt/rank-claim/<torch rank>       an agent's rank claim (ranks.Claim, JSON; a survivor's map by digest)
+    tierckpt/rank-known/<digest>           a survivor's map of the last round, published once (zlib JSON)
+    tierckpt/rank-known/<digest>/n         survivors that knew that map (the first publishes it)
+    tierckpt/rank/<torch rank>             the group rank torch rank 0 decided for it
+    tierckpt/rank-members                  the last round's and this round's memberships (zlib JSON)
+    tierckpt/rank-decided                  the decision's difference from the survivors' map (JSON); set last
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AGENT_SECRET", "ARRIVALS", "AVOID", "FINISHED", "FIRST_SEAT_TICKETS", "FULL_RESTARTS", "GENERATION",
-    "JOINED", "MEMBERSHIP_CHANGES", "NODES", "OFFENSES", "SEATS", "SPARE_TICKETS", "UNHEALTHY_BEFORE",
+    "JOINED", "MEMBERSHIP_CHANGES", "NODES", "OFFENSES", "RANK_DECIDED", "RANK_MEMBERS", "SEATS", "SPARE_TICKETS", "UNHEALTHY_BEFORE",
     "agent", "beat", "busy", "counter_done", "done", "exited", "fault", "fault_set", "first_seat",
     "first_seat_beat", "first_seat_of", "inproc_store", "keep_out", "keep_out_full", "machine", "master",
-    "offender_ticket", "persisted", "progress", "rank_claim", "regroup", "regroup_round", "resume_bound",
+    "offender_ticket", "persisted", "progress", "rank_claim", "rank_decided", "rank_known", "rank_known_count", "regroup", "regroup_round", "resume_bound",
     "resume_nonfinite", "resume_past", "seats_opened", "stopped", "verdict", "wait",
 ]
 
@@ -192,3 +197,19 @@ def first_seat_beat(seat: int) -> str:
 
 def rank_claim(torch_rank: int) -> str:
     return f"tierckpt/rank-claim/{torch_rank}"
+
+
+RANK_DECIDED = "tierckpt/rank-decided"
+RANK_MEMBERS = "tierckpt/rank-members"
+
+
+def rank_known(digest: str) -> str:
+    return f"tierckpt/rank-known/{digest}"
+
+
+def rank_known_count(digest: str) -> str:
+    return f"tierckpt/rank-known/{digest}/n"
+
+
+def rank_decided(torch_rank: int) -> str:
+    return f"tierckpt/rank/{torch_rank}"

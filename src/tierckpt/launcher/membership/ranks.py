@@ -22,9 +22,11 @@ replaced a lost node (a hot spare).
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import socket
-import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +36,10 @@ from tierckpt import layout
 from tierckpt.config import DEFAULT_MEMORY_DIR
 from tierckpt.errors import ProtocolError
 from tierckpt.launcher.control import keys
+from tierckpt.launcher.control.store import timeout_error
 from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
-__all__ = ["Claim", "assign", "exchange", "exchange_round", "identity", "load_prior", "save_prior"]
+__all__ = ["Claim", "assign", "exchange", "exchange_round", "identity", "load_prior", "members_digest", "save_prior"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,26 +52,32 @@ class Claim:
     identity  host and memory root: names the node in events, and for ``offenders.py``
     members   a survivor's view of the previous round's membership (group rank -> identity);
               None for an agent that held no rank in this process (a new, relaunched or spare node)
+    digest    what a published claim carries instead of ``members`` (``members_digest``)
     """
 
     prior: int | None
     survivor: bool = False
     identity: str = ""
     members: dict[int, str] | None = None
+    digest: str | None = None  # on the wire: ``members_digest(members)``; the map itself travels once
 
-    def to_json(self) -> bytes:
-        members = None if self.members is None else {str(k): v for k, v in self.members.items()}
+    def to_json(self, digest: str | None = None) -> bytes:
+        """The claim as published: ``members`` by its digest (``exchange_round`` publishes the map)."""
+        if digest is None and self.members:
+            digest = members_digest(self.members)
         return json.dumps({"prior": self.prior, "survivor": self.survivor, "identity": self.identity,
-                           "members": members}).encode()
+                           "digest": digest or self.digest}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Claim:
         d = json.loads(raw)
         prior = d.get("prior")
-        members = d.get("members")
+        members = d.get("members")  # an older agent sent its map inline
+        digest = d.get("digest")
         return cls(prior=None if prior is None else int(prior), survivor=bool(d.get("survivor")),
                    identity=str(d.get("identity", "")),
-                   members=None if not isinstance(members, dict) else {int(k): str(v) for k, v in members.items()})
+                   members=None if not isinstance(members, dict) else {int(k): str(v) for k, v in members.items()},
+                   digest=str(digest) if digest else None)
 
 
 def assign(claims: Sequence[Claim]) -> list[int]:
@@ -91,7 +100,7 @@ def assign(claims: Sequence[Claim]) -> list[int]:
 
 
 def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: float = 120.0) -> int:
-    """Publish this agent's claim in the round's store, read every claim, return this agent's rank.
+    """Publish this agent's claim in the round's store, return this agent's rank (``exchange_round``).
 
     ``store`` is the round's store (torch's ``PrefixStore`` per round), so claims of an older
     round are never read.
@@ -102,23 +111,98 @@ def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: 
 def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
                    timeout: float = 120.0) -> tuple[int, dict[int, str], dict[int, str]]:
     """``exchange``, plus the memberships: (this agent's rank, the previous round's membership as
-    the survivors knew it, this round's membership), each group rank -> identity."""
-    store.set(keys.rank_claim(torch_rank), claim.to_json())
+    the survivors knew it, this round's membership), each group rank -> identity.
+
+    O(1) store operations per node: each node publishes its claim (a survivor names the
+    membership it knew by digest; the first survivor with that digest publishes the map once),
+    torch rank 0 reads every claim in one ``multi_get`` and publishes the decision (every node's
+    rank, the memberships), and each node reads its rank and the memberships. A survivor whose
+    map is the decision's base reads only the difference (the nodes that left or joined); a node
+    without it (a newcomer, a spare) reads the whole memberships, compressed. Keys: ``keys.py``
+    "On the store of one rendezvous round".
+    """
+    digest = None
+    if claim.members:
+        digest = members_digest(claim.members)
+        if int(store.add(keys.rank_known_count(digest), 1)) == 1:  # the first survivor that knew this map
+            store.set(keys.rank_known(digest), _pack({str(k): v for k, v in claim.members.items()}))
+    store.set(keys.rank_claim(torch_rank), claim.to_json(digest))
+    if torch_rank == 0:
+        _decide(store, world, timeout)
+    _wait(store, [keys.RANK_DECIDED], timeout,
+          "the round's first node (torch rank 0) did not publish the round's ranks within {t:.0f}s "
+          "after the rendezvous (it failed or left during the round)")
+    rank_raw, decided_raw = store.multi_get([keys.rank_decided(torch_rank), keys.RANK_DECIDED])
+    decided = json.loads(decided_raw)
+    if digest is not None and claim.members is not None and decided.get("base") == digest:
+        before = _apply(claim.members, decided["before"])
+        after = _apply(claim.members, decided["after"])
+    else:
+        full = _unpack(store.get(keys.RANK_MEMBERS))
+        before, after = _ints(full["before"]), _ints(full["after"])
+    return int(rank_raw), before, after
+
+
+def members_digest(members: dict[int, str]) -> str:
+    """A short name for a membership map: survivors that knew the same map send the same digest."""
+    raw = json.dumps(sorted(members.items()), separators=(",", ":")).encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _decide(store: Any, world: int, timeout: float) -> None:
+    """Torch rank 0: every claim (one wait, one multi_get), ``assign``, the decision published."""
     claimed = [keys.rank_claim(i) for i in range(world)]
-    deadline = time.monotonic() + timeout
-    while not store.check(claimed):
-        if time.monotonic() > deadline:
-            raise ProtocolError(f"not every node published its rank claim within {timeout:.0f}s after the "
-                                "rendezvous; check that every node runs the same tierckpt version")
-        time.sleep(0.01)
-    claims = [Claim.from_json(store.get(k)) for k in claimed]
+    _wait(store, claimed, timeout, "not every node published its rank claim within {t:.0f}s after the "
+          "rendezvous; check that every node runs the same tierckpt version")
+    claims = [Claim.from_json(bytes(raw)) for raw in store.multi_get(claimed)]
+    digests = list(dict.fromkeys(c.digest for c in claims if c.survivor and c.digest))
+    _wait(store, [keys.rank_known(d) for d in digests], timeout,
+          "a survivor's view of the last round was not published within {t:.0f}s")
+    known = {d: _ints(_unpack(store.get(keys.rank_known(d)))) for d in digests}
     order = assign(claims)
     before: dict[int, str] = {}
     for c in claims:  # every survivor knew the same previous membership; merge in case one is stale
-        if c.survivor and c.members:
-            before.update(c.members)
+        if c.survivor:
+            before.update(c.members or known.get(c.digest or "", {}))
     after = {order[i]: c.identity for i, c in enumerate(claims)}
-    return order[torch_rank], before, after
+    base_digest = digests[0] if digests else None
+    base = known.get(base_digest or "", {})
+    store.multi_set([keys.rank_decided(i) for i in range(world)], [str(r).encode() for r in order])
+    store.set(keys.RANK_MEMBERS, _pack({"before": {str(k): v for k, v in before.items()},
+                                        "after": {str(k): v for k, v in after.items()}}))
+    store.set(keys.RANK_DECIDED, json.dumps({"base": base_digest, "before": _diff(before, base),
+                                             "after": _diff(after, base)}).encode())  # last: the wake-up
+
+
+def _diff(m: dict[int, str], base: dict[int, str]) -> dict[str, Any]:
+    return {"set": {str(k): v for k, v in m.items() if base.get(k) != v}, "drop": [k for k in base if k not in m]}
+
+
+def _apply(base: dict[int, str], d: dict[str, Any]) -> dict[int, str]:
+    out = {k: v for k, v in base.items() if k not in set(d["drop"])}
+    out.update(_ints(d["set"]))
+    return out
+
+
+def _ints(m: dict[str, str]) -> dict[int, str]:
+    return {int(k): str(v) for k, v in m.items()}
+
+
+def _pack(obj: Any) -> bytes:
+    return zlib.compress(json.dumps(obj, separators=(",", ":")).encode(), 1)
+
+
+def _unpack(raw: bytes) -> Any:
+    return json.loads(zlib.decompress(bytes(raw)))
+
+
+def _wait(store: Any, names: list[str], timeout: float, why: str) -> None:
+    if not names:
+        return
+    try:
+        store.wait(names, datetime.timedelta(seconds=timeout))
+    except timeout_error() as exc:
+        raise ProtocolError(why.format(t=timeout)) from exc
 
 
 def _path(memory_dir: str | None, run_id: str) -> Path:

@@ -1,0 +1,138 @@
+"""The rank exchange of a rendezvous round (membership/ranks.py ``exchange_round``) on a real
+TCPStore, one thread and one client per node: every node gets the same memberships, survivors keep
+their ranks, a spare takes the lost node's, and a node's store traffic does not grow with the job
+(torch rank 0 decides; a survivor reads only what changed)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from tierckpt.errors import ProtocolError
+from tierckpt.launcher.membership import ranks
+from tierckpt.launcher.membership.ranks import Claim
+
+from .conftest import client
+
+
+class _Metered:
+    """One node's client: its round trips and the bytes it read back."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.ops, self.read = inner, 0, 0
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self.inner, name)
+
+        def call(*a: Any) -> Any:
+            self.ops += 1
+            got = fn(*a)
+            if name == "get":
+                self.read += len(got)
+            elif name == "multi_get":
+                self.read += sum(len(v) for v in got)
+            return got
+        return call
+
+
+def _round(server: Any, prefix: str, claims: list[Claim], timeout: float = 20.0,
+           clients: list[Any] | None = None) -> tuple[list[Any], list[_Metered]]:
+    """Every claim exchanged at once on the round's store, claim i as torch rank i; (rank,
+    before, after) per node."""
+    clients = clients or [client(server) for _ in claims]
+    stores = [_Metered(_prefixed(c, prefix)) for c in clients]
+    out: list[Any] = [None] * len(claims)
+
+    def node(i: int) -> None:
+        try:
+            out[i] = ranks.exchange_round(stores[i], i, len(claims), claims[i], timeout=timeout)
+        except Exception as exc:  # the test reads it
+            out[i] = exc
+
+    threads = [threading.Thread(target=node, args=(i,)) for i in range(len(claims))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 10)
+    return out, stores
+
+
+def _prefixed(server: Any, name: str) -> Any:
+    import torch.distributed as dist
+
+    return dist.PrefixStore(name, server)  # type: ignore[attr-defined]
+
+
+def _identities(n: int) -> list[str]:
+    return [f"host{i:04d}.cluster.example:/dev/shm/tierckpt" for i in range(n)]
+
+
+def test_a_spare_takes_the_lost_nodes_rank_and_every_node_sees_the_same_change(server: Any) -> None:
+    ids = _identities(4)
+    first, _ = _round(server, "r0/", [Claim(prior=None, identity=i) for i in reversed(ids)])
+    members = first[0][2]
+    assert [r for r, _, _ in first] == [0, 1, 2, 3] and members == dict(enumerate(reversed(ids)))
+    assert all(got == (r, {}, members) for r, got in enumerate(first))  # no previous round
+    # node with rank 2 is lost; torch orders the spare first and the survivors after it
+    held = {ident: rank for rank, ident in members.items()}
+    survivors = [i for i in ids if held[i] != 2]
+    claims = [Claim(prior=None, identity="spare:/dev/shm/tierckpt")] + [
+        Claim(prior=held[i], survivor=True, identity=i, members=members) for i in survivors]
+    second, _ = _round(server, "r1/", claims)
+    assert [r for r, _, _ in second] == [2] + [held[i] for i in survivors]
+    after = {**members, 2: "spare:/dev/shm/tierckpt"}
+    assert all(b == members and a == after for _, b, a in second)
+
+
+def test_store_traffic_per_node_does_not_grow_with_the_job(server: Any) -> None:
+    """At 6 and at 16 nodes a survivor makes the same few round trips and reads the same bytes
+    (the difference), torch rank 0 reads every claim in one multi_get; a newcomer reads the whole
+    membership once, compressed."""
+    seen: dict[int, tuple[int, int, int, int]] = {}
+    clients = [client(server) for _ in range(16)]
+    for n in (6, 16):
+        ids = _identities(n)
+        members = dict(enumerate(ids))
+        claims = [Claim(prior=r, survivor=True, identity=ids[r], members=members) for r in range(n - 1)]
+        claims.append(Claim(prior=None, identity="spare:/dev/shm/tierckpt"))  # rank n-1's node was lost
+        got, stores = _round(server, f"n{n}/", claims, clients=clients[:n])
+        assert [r for r, _, _ in got] == list(range(n))
+        assert all(a == {**members, n - 1: "spare:/dev/shm/tierckpt"} for _, _, a in got)
+        survivor_ops = max(s.ops for s in stores[1:-1])
+        survivor_read = max(s.read for s in stores[1:-1])
+        seen[n] = (survivor_ops, survivor_read, stores[0].ops, stores[-1].read)
+    assert seen[6][0] == seen[16][0] <= 5, seen  # add, set, set, wait, multi_get (the first to know the map: +1)
+    assert seen[16][1] <= seen[6][1] + 8, seen  # the rank's digits may grow; the difference does not
+    assert seen[16][2] <= seen[6][2], seen  # the decider's round trips do not grow either
+    raw_map = sum(len(f'"{r}":"{i}",') for r, i in enumerate(_identities(16)))
+    assert seen[16][3] < raw_map, seen  # the spare's copy of two memberships, compressed
+
+
+def test_survivors_with_different_views_are_merged(server: Any) -> None:
+    a, b = {0: "a", 1: "b", 2: "c"}, {0: "a", 1: "b", 2: "stale"}
+    claims = [Claim(prior=0, survivor=True, identity="a", members=a),
+              Claim(prior=1, survivor=True, identity="b", members=b),
+              Claim(prior=None, identity="d")]
+    got, _ = _round(server, "m/", claims)
+    assert [r for r, _, _ in got] == [0, 1, 2]
+    before = {**a, **b}  # merged in torch-rank order, as the claims arrive in the decision
+    assert all((bf, af) == (before, {0: "a", 1: "b", 2: "d"}) for _, bf, af in got)
+
+
+def test_a_round_whose_first_node_never_decides_fails_with_a_typed_error(server: Any) -> None:
+    store = _prefixed(server, "x/")
+    with pytest.raises(ProtocolError, match="torch rank 0"):
+        ranks.exchange_round(_prefixed(client(server), "x/"), 1, 2, Claim(prior=None), timeout=0.5)
+    assert store.check(["tierckpt/rank-claim/1"])  # its claim was published all the same
+
+
+def test_a_claim_on_the_wire_names_the_map_by_digest() -> None:
+    c = Claim(prior=1, survivor=True, identity="h:/m", members={0: "x", 1: "h:/m"})
+    wire = Claim.from_json(c.to_json())
+    assert wire.members is None and wire.digest == ranks.members_digest({1: "h:/m", 0: "x"})
+    assert (wire.prior, wire.survivor, wire.identity) == (1, True, "h:/m")
+    assert Claim.from_json(b'{"prior": 0}') == Claim(prior=0)  # an older agent's claim
+    old = Claim.from_json(b'{"prior": 0, "survivor": true, "members": {"0": "a"}}')
+    assert old.members == {0: "a"}  # an older agent sent its map inline: still read
