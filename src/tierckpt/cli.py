@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
@@ -150,18 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _exit_as_decided(code: int) -> None:
     """``tierckpt run`` as a program, once it closed its parts: exit with the code it decided (75
-    asks the scheduler for a full restart), without the interpreter's finalization, where a store
-    thread still blocked in a wait could abort the process (SIGABRT, "terminate called without an
-    active exception": a launcher that had written its exit 75 event exited -6 beside a CPU hog)."""
-    import logging
+    asks the scheduler for a full restart), without the interpreter's finalization (exiting.py)."""
+    from tierckpt.launcher.exiting import exit_now
 
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(code)
+    exit_now(code)
 
 
 if __name__ == "__main__":

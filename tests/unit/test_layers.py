@@ -52,7 +52,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "agent.service": ("tierckpt.agent.service", "tierckpt.agent.__main__", "tierckpt.agent.cli"),
     "agent.face": ("tierckpt.agent",),
     "launcher.jobspec": ("tierckpt.launcher.jobspec",),
-    "launcher.leaf": ("tierckpt.launcher.events", "tierckpt.launcher.preflight"),
+    "launcher.leaf": ("tierckpt.launcher.events", "tierckpt.launcher.preflight", "tierckpt.launcher.exiting"),
     "launcher.decide": ("tierckpt.launcher.decide.*",),
     "launcher.control": ("tierckpt.launcher.control.*",),
     "launcher.detect": ("tierckpt.launcher.detect.*",),

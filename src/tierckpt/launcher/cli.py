@@ -385,6 +385,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def launch(args: Namespace, opts: Any) -> int:
+    import faulthandler
+    import signal
+
     from torch.distributed.elastic.agent.server.api import WorkerSpec
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -397,6 +400,8 @@ def launch(args: Namespace, opts: Any) -> int:
     from tierckpt.launcher.supervisor.torch_agent import TierckptAgent
     from tierckpt.launcher.workers.reaper import Reaper
 
+    # ``kill -USR2 <launcher>`` writes every thread's stack to its stderr (a launcher that seems stuck)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     if args.standalone:
         args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:

@@ -50,6 +50,7 @@ PINNED = [
     (keys.keep_out_full(4), "tierckpt/run/keep-out/full/4"),
     (keys.machine("h1:/dev/shm/tierckpt"), "tierckpt/run/machine/h1:/dev/shm/tierckpt"),
     (keys.AVOID, "tierckpt/run/avoid"),
+    (keys.STORE_HOST, "tierckpt/run/store-host"),
     (keys.NODES, "tierckpt/run/nodes"),
     (keys.SEATS, "tierckpt/run/seats"),
     (keys.seats_opened(4), "tierckpt/run/seats/4"),

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from tierckpt.launcher.control.liveness import Liveness, Silence, Verdict
+from tierckpt.launcher.control.liveness import Liveness, Silence, StoreSilence, Verdict
 from tierckpt.launcher.control.store import connect_client
 from tierckpt.testing.storecount import Counter, CountingStore
 
@@ -281,3 +281,89 @@ def test_an_agent_whose_own_thread_stalls_suspects_nobody() -> None:
             c.running.set()
         for a in agents:
             a.close()
+
+
+class _Blackholed:
+    """A real store client that, once ``cut``, behaves as one whose store host drops every packet:
+    each call blocks for the client's timeout (``block_s``), then fails as torch's client does."""
+
+    def __init__(self, inner: object, block_s: float) -> None:
+        self.inner, self.block_s = inner, block_s
+        self.cut = threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self.inner, name)
+
+        def call(*args: object, **kw: object) -> object:
+            if self.cut.is_set():
+                time.sleep(self.block_s)
+                raise dist.DistStoreError(f"{name}: timed out after {self.block_s}s (the store's host drops packets)")  # type: ignore[attr-defined]
+            return fn(*args, **kw)
+        return call
+
+
+def test_a_store_whose_host_drops_packets_is_lost_after_the_timeout_once() -> None:
+    """Each call to a blackholed store blocks for the client's timeout: the loss is judged by the
+    time since the last call that succeeded, not by a count of failures times the interval (which
+    took 13 blocked calls here, and 20 of torch's 30 s ones on namespaced hosts: 10 minutes), and
+    ``on_store_lost`` is called once, from the liveness thread."""
+    store = _server()
+    client = _Blackholed(connect_client("127.0.0.1", store.port), block_s=0.2)
+    calls: list[tuple[float, str]] = []
+    live = Liveness(lambda: client, 0, interval_s=0.05, timeout_s=0.6,
+                    on_store_lost=lambda why: calls.append((time.monotonic(), why)))
+    live.reset(0, [0, 1], epoch=1)
+    live.start()
+    try:
+        assert _until(lambda: live.ticks >= 3)
+        cut = time.monotonic()
+        client.cut.set()
+        assert _until(lambda: live.store_error is not None, timeout=5.0)
+        assert 0.6 - 0.05 <= calls[0][0] - cut <= 0.6 + 0.05 + 2 * 0.2 + 0.3, calls[0][0] - cut
+        time.sleep(0.6)
+        assert len(calls) == 1, calls  # whichever saw it first: the watchdog, or the failed call's handler
+        assert "drops packets" in calls[0][1] or "no call to the job store succeeded" in calls[0][1], calls
+    finally:
+        live.close()
+
+
+def test_store_silence_counts_only_the_time_its_watchdog_watched() -> None:
+    s = StoreSilence(10.0, now=0.0, regular_s=2.5)
+    for t in range(1, 11):  # a check each second, no call succeeded since 0
+        assert not s.check(float(t))
+    assert s.check(10.5) and s.silent_s(10.5) == 10.5
+    s = StoreSilence(10.0, now=0.0, regular_s=2.5)
+    s.check(1.0)
+    assert not s.check(20.0)  # this process was stopped for 19 s: the silence starts over at 20
+    for t in range(21, 31):
+        assert not s.check(float(t))
+    assert s.check(30.5)
+    s.ok(31.0)
+    assert not s.check(32.0) and s.silent_s(32.0) == 1.0
+
+
+def test_a_store_whose_calls_never_return_is_lost_by_the_watchdog() -> None:
+    """torch's client blocks without end in a call nobody answers (the store's host gone, its
+    packets dropped): the liveness thread sits in that call, and the watchdog beside it calls
+    the store lost once nothing succeeded for the timeout (on namespaced hosts the survivor of
+    the store's host hung for good: tests/cluster/test_store_host.py)."""
+    store = _server()
+    client = _Paused(connect_client("127.0.0.1", store.port))
+    calls: list[float] = []
+    live = Liveness(lambda: client, 0, interval_s=0.05, timeout_s=0.6,
+                    on_store_lost=lambda why: calls.append(time.monotonic()))
+    live.reset(0, [0, 1], epoch=1)
+    live.start()
+    try:
+        assert _until(lambda: live.ticks >= 3)
+        cut = time.monotonic()
+        client.running.clear()  # every call from now on blocks
+        assert _until(lambda: live.store_error is not None, timeout=5.0)
+        # from the last call that succeeded (at most an interval before the cut), checked every 0.05 s
+        assert 0.6 - 0.05 <= calls[0] - cut <= 0.6 + 0.05 + 0.3, calls[0] - cut
+        assert "no call to the job store succeeded" in (live.store_error or "")
+        time.sleep(0.3)
+        assert len(calls) == 1
+    finally:
+        client.running.set()
+        live.close()

@@ -17,6 +17,8 @@ group rank; a counter is only ever ``add``ed, a claim is the first ``compare_set
         master/<g>                         host:port of the workers' store of g
         progress/<g>/<node>                the node's newest step
         agent-secret                       the node agents' job secret (the first compare_set wins)
+        store-host                         the identity of the agent that serves this store (it sets
+                                           it before each join barrier; the others read it after)
         agent/<membership>/<node>          host:port of the node's hosted node agent
         done/<node>                        the node's workers finished (done/0: the job did)
         live/<epoch>/beat/<node>           the node's liveness counter (liveness.py)
@@ -57,7 +59,7 @@ from __future__ import annotations
 
 __all__ = [
     "AGENT_SECRET", "ARRIVALS", "AVOID", "FINISHED", "FIRST_SEAT_TICKETS", "FULL_RESTARTS", "GENERATION",
-    "JOINED", "MEMBERSHIP_CHANGES", "NODES", "OFFENSES", "RANK_DECIDED", "RANK_MEMBERS", "SEATS", "SPARE_TICKETS", "UNHEALTHY_BEFORE",
+    "JOINED", "MEMBERSHIP_CHANGES", "NODES", "OFFENSES", "RANK_DECIDED", "RANK_MEMBERS", "SEATS", "SPARE_TICKETS", "STORE_HOST", "UNHEALTHY_BEFORE",
     "agent", "beat", "busy", "counter_done", "done", "exited", "fault", "fault_set", "first_seat",
     "first_seat_beat", "first_seat_of", "inproc_store", "keep_out", "keep_out_full", "machine", "master",
     "offender_ticket", "persisted", "progress", "rank_claim", "rank_decided", "rank_known", "rank_known_count", "regroup", "regroup_round", "resume_bound",
@@ -73,6 +75,7 @@ UNHEALTHY_BEFORE = _RUN + "unhealthy_before"
 AGENT_SECRET = _RUN + "agent-secret"
 OFFENSES = _RUN + "offenses"
 AVOID = _RUN + "avoid"
+STORE_HOST = _RUN + "store-host"
 NODES = _RUN + "nodes"
 SEATS = _RUN + "seats"
 SPARE_TICKETS = _RUN + "spare-tickets"

@@ -11,12 +11,16 @@ agreed at the rendezvous round, so a verdict of an older membership is never rea
 
 Call order, on every agent:
 
-    live = Liveness(connect, node, interval_s=0.5, timeout_s=30)   # once
+    live = Liveness(connect, node, interval_s=0.5, timeout_s=30,   # once; connect's client times
+                    on_store_lost=callback)                       # out well within timeout_s
     live.start()                                # its thread: its own store client, see below
     live.reset(node, nodes, epoch=generation)   # after every rendezvous round
     live.lost()                                 # every monitor tick; no store operation
     live.quiet()                                # ... the nodes silent for a second or more, by seconds
     live.store_error                            # set when the store is unreachable for timeout_s
+                                                # (no call succeeded for that long, as a watchdog thread
+                                                # sees it: StoreSilence); on_store_lost(why) is called
+                                                # once then, from that thread
     live.close()
 
 Per interval, the thread of every agent makes two store operations (``add`` its beat; read the
@@ -41,7 +45,7 @@ from typing import Any
 from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import peek, store_errors
 
-__all__ = ["QUIET_S", "Liveness", "Silence", "Verdict"]
+__all__ = ["QUIET_S", "Liveness", "Silence", "StoreSilence", "Verdict"]
 
 #: an agent silent this long is listed in the verdict's ``quiet`` (its seconds of silence)
 QUIET_S = 1.0
@@ -138,11 +142,42 @@ class Verdict:
         return sorted(n for n in lost if n in self.nodes)
 
 
+class StoreSilence:
+    """How long no call to the store has succeeded, as seen by a watchdog that kept running (pure;
+    the caller passes the clock). torch's store client blocks without end in a call whose answer
+    never comes (the store's host lost, its packets dropped; only ``set`` returns at once), so the
+    thread making the call cannot judge; the watchdog does, and a gap in its own checks longer
+    than ``regular_s`` (this process stopped or starved) starts the silence over: what was not
+    watched is not counted.
+
+    Call order: ``ok(now)`` after each call that succeeded; ``check(now)`` on each watchdog wake:
+    True once the silence exceeds ``timeout_s``."""
+
+    def __init__(self, timeout_s: float, now: float, *, regular_s: float) -> None:
+        self.timeout_s, self.regular_s = timeout_s, regular_s
+        self._since = now  # the last success, or the end of the last gap in the checks
+        self._checked = now
+
+    def ok(self, now: float) -> None:
+        self._since = max(self._since, now)
+
+    def silent_s(self, now: float) -> float:
+        return now - self._since
+
+    def check(self, now: float) -> bool:
+        if now - self._checked > self.regular_s:  # the watchdog itself did not run: start over
+            self._since = max(self._since, now)
+        self._checked = now
+        return now - self._since > self.timeout_s
+
+
 class Liveness:
     """The liveness thread of one agent; see the module docstring for keys, call order and costs."""
 
-    def __init__(self, connect: Callable[[], Any], node: int, *, interval_s: float, timeout_s: float) -> None:
+    def __init__(self, connect: Callable[[], Any], node: int, *, interval_s: float, timeout_s: float,
+                 on_store_lost: Callable[[str], None] | None = None) -> None:
         self._connect = connect
+        self._on_store_lost = on_store_lost
         self.node = node
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -158,9 +193,14 @@ class Liveness:
         self.store_error: str | None = None
         self.ticks = 0  #: intervals completed (the bench and the tests count operations per tick)
         self._thread = threading.Thread(target=self._run, name="tierckpt-liveness", daemon=True)
+        # the store's silence, judged beside the calls (which may block without end); see StoreSilence
+        self._silence = StoreSilence(timeout_s, time.monotonic(), regular_s=max(1.0, timeout_s / 4))
+        self._lost_once = threading.Lock()
+        self._dog = threading.Thread(target=self._watchdog, name="tierckpt-store-watchdog", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        self._dog.start()
 
     def reset(self, node: int, nodes: list[int], *, epoch: int = 0) -> None:
         """Watch a new membership (after a rendezvous round); ``epoch`` is the same on every agent."""
@@ -198,6 +238,26 @@ class Liveness:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._dog.join(timeout=5)
+
+    def _store_lost(self, why: str) -> None:
+        """Once: ``on_store_lost(why)`` (the supervisor ends the run there), then ``store_error``."""
+        if not self._lost_once.acquire(blocking=False):
+            return
+        if self._on_store_lost is not None:  # first: the monitor loop reads store_error
+            self._on_store_lost(why)
+        self.store_error = why
+
+    def _watchdog(self) -> None:
+        step = min(self.interval_s, 0.5)
+        while not self._stop.wait(step):
+            with self._lock:
+                lost = self._silence.check(time.monotonic())
+                silent = self._silence.silent_s(time.monotonic())
+            if lost:
+                self._store_lost(f"no call to the job store succeeded for {silent:.1f}s (its host lost, or "
+                                 "unreachable)")
+                return
 
     def _watch_lost(self, now: float) -> list[int]:
         if self._watch is None:  # not the watcher: nothing of its own to report
@@ -209,18 +269,21 @@ class Liveness:
         try:
             store = self._connect()
         except errors as exc:
-            self.store_error = str(exc)
+            self._store_lost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             return
-        failures = 0
+        with self._lock:
+            self._silence.ok(time.monotonic())
         while not self._stop.wait(self.interval_s):
             try:
                 self._tick(store)
-                failures = 0
+                with self._lock:
+                    self._silence.ok(time.monotonic())
                 self.ticks += 1
-            except errors as exc:
-                failures += 1
-                if failures * self.interval_s > self.timeout_s:
-                    self.store_error = str(exc)
+            except errors as exc:  # a call that failed (refused, timed out): judged by the time since one succeeded
+                with self._lock:
+                    lost = self._silence.check(time.monotonic())
+                if lost:
+                    self._store_lost(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
 
     def _tick(self, store: Any) -> None:
         with self._lock:

@@ -10,9 +10,11 @@ and the errors a store raises.
 from __future__ import annotations
 
 import datetime
+import os
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ABSENT", "connect_client", "peek", "store_errors", "timeout_error"]
+__all__ = ["ABSENT", "connect_client", "hosted_here", "peek", "store_errors", "timeout_error"]
 
 # compare_set(key, ABSENT, ABSENT) reads a key without blocking or writing: a missing key reads as
 # ABSENT (the expected value does not match "missing", so nothing is set), a present one as itself
@@ -48,3 +50,33 @@ def connect_client(host: str, port: int, timeout_s: float = 30.0) -> Any:
 
     return dist.TCPStore(  # type: ignore[attr-defined]
         host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def hosted_here(port: int) -> bool:
+    """Whether this process serves the store on ``port``: one of its own sockets listens there
+    (``/proc/self/net/tcp{,6}`` and ``/proc/self/fd``; False where /proc cannot tell). torch's
+    handlers decide who hosts the store (``is_host``, or the endpoint's name); this asks the result."""
+    listening: set[str] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                listening.add(f[9])
+    if not listening:
+        return False
+    try:
+        fds = list(Path("/proc/self/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:[") and target[8:-1] in listening:
+            return True
+    return False

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import shutil
 import socket
+import threading
 import time
 from typing import Any, Protocol
 
@@ -47,8 +48,10 @@ from tierckpt.launcher.detect.detectors import Detectors
 from tierckpt.launcher.detect.hang import Profile
 from tierckpt.launcher.detect.wake import Waker
 from tierckpt.launcher.events import Events, describe_error
+from tierckpt.launcher.exiting import exit_now
 from tierckpt.launcher.inprocess.replace import JOIN_ENV, REPLACE, StoreHost
 from tierckpt.launcher.inprocess.restarts import InProcessRestarts
+from tierckpt.launcher.membership import ranks
 from tierckpt.launcher.membership.avoid import KeepOut
 from tierckpt.launcher.membership.change import (
     MEMBERSHIP_CHANGE,
@@ -67,6 +70,7 @@ from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, Ru
 from tierckpt.launcher.supervisor.fidelity import Fidelity
 from tierckpt.launcher.supervisor.findings import Findings, View
 from tierckpt.launcher.supervisor.ledger import Ledger, fault_of
+from tierckpt.launcher.supervisor.storeloss import StoreWatch
 from tierckpt.launcher.workers.launch import static_env
 from tierckpt.launcher.workers.reaper import Reaper
 from tierckpt.launcher.workers.runner import Workers, free_master_port
@@ -130,6 +134,8 @@ class Supervisor:
         # restart accounting and the state file (supervisor/ledger.py)
         self.ledger = Ledger(opts, lambda: self.wg.spec.rdzv_handler.get_run_id())
         self._store_addr: tuple[str, int] | None = None
+        self._store = StoreWatch()  # the node that serves the job's store: a LostStore names it (storeloss.py)
+        self._store_lost_once = threading.Lock()
         self.rounds = Rounds(opts, self.events)  # membership: gate, round, regroup, offenders (membership/rounds.py)
         self.resume_before: int | None = None  # TIERCKPT_RESUME_BEFORE of this generation (resume.py)
         self._past_marked = False  # this node told the store that this generation moved past it
@@ -189,9 +195,11 @@ class Supervisor:
         self._detectors.learned.merge(Profile.from_dict(st.hang))
         resume.offer(job_store, st.next_generation, st.resume_before)
         self.ledger.offer(st, self.ctl)  # before the barrier: every node reads every offer after it
+        self._store.offer(job_store, ranks.identity(self.opts.memory_dir))
         self.generation, full_restarts = self.ctl.join(
             store, self.nnodes, local_next=st.next_generation, local_full=st.full_restarts)
         self.ledger.joined(st, self.ctl, full_restarts)
+        self._store.learn(job_store)
         self.rounds.after_round(job_store, st.offenses, st.avoid)  # the last full restart's avoid list
         self.resume_before = resume.agreed(job_store, self.generation)
         self._settle(job_store, spare_since=gated if gated is not None else spare.since, via="rendezvous")
@@ -204,8 +212,12 @@ class Supervisor:
         self._store_addr = (str(job_store.host), int(job_store.port))
         if self._liveness is None:
             host, port = job_store.host, job_store.port
-            self._liveness = Liveness(lambda: connect_client(host, port), self.node,
-                                      interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s)
+            # its calls time out within the node timeout: a store whose host drops packets blocks each
+            # call for the client's timeout, and the loss is judged by the time since one succeeded
+            op_timeout = max(1.0, self.opts.node_timeout_s / 2)
+            self._liveness = Liveness(lambda: connect_client(host, port, op_timeout), self.node,
+                                      interval_s=self.opts.liveness_interval_s, timeout_s=self.opts.node_timeout_s,
+                                      on_store_lost=self._store_lost)
             self._liveness.start()
             self._claims = ClaimWatch(lambda: connect_client(host, port), self._waker.notify,
                                       lambda g: JobControl(connect_client(host, port, 5.0)).release_claim_waiters(g))
@@ -596,13 +608,9 @@ class Supervisor:
         try:
             return self._loop()
         except store_errors() as exc:  # the rendezvous store (its host agent) is gone
-            self._stop_now()
-            self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None,
-                             detail=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-            self._persist(barrier=False)
-            self.exit_code = FULL_RESTART_EXIT
-            self.events.emit("restart", generation=self.generation, kind="job", why="the rendezvous store is gone")
-            self.events.emit("exit", generation=self.generation, code=self.exit_code)
+            if not self._store_lost_once.acquire(blocking=False):  # the liveness thread decided it: it exits
+                time.sleep(3600)
+            self._lost_store(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             self.wg.state = WorkerState.FAILED
             return RunResult(state=WorkerState.FAILED)
         except SignalException as exc:
@@ -625,6 +633,35 @@ class Supervisor:
             self._waker.close()
             shutil.rmtree(self.workers.beat_dir, ignore_errors=True)
 
+
+    def _store_lost(self, why: str) -> None:
+        """Liveness's ``on_store_lost``, on its watchdog thread: no call to the store succeeded for
+        the node timeout. The main thread may be blocked in a call to the store (each blocks for its
+        client's timeout when the store's host drops packets), so this thread ends the run: the
+        workers stopped, ``LostStore`` naming the store's node, exit 75 (a full restart, which the
+        scheduler requeues; the next start resumes from the memory tiers and their replicas)."""
+        if not self._store_lost_once.acquire(blocking=False):  # the main thread got there first
+            return
+        # whatever else blocks on the store (a persist, a part's close), the process exits 75 in time
+        failsafe = threading.Timer(self.opts.stop_grace_s + 30.0, exit_now, args=(FULL_RESTART_EXIT,))
+        failsafe.daemon = True
+        failsafe.start()
+        try:
+            self._lost_store(why)
+            self.workers.close()
+        finally:
+            exit_now(self.exit_code or FULL_RESTART_EXIT)
+
+    def _lost_store(self, why: str) -> None:
+        """The job's store is gone: stop, report, persist what this node can alone, exit code 75."""
+        self._stop_now()
+        store_node = self._store.node(self.rounds.members)
+        self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None, node=store_node,
+                         store=self._store.identity, detail=why)
+        self._persist(barrier=False)
+        self.exit_code = FULL_RESTART_EXIT
+        self.events.emit("restart", generation=self.generation, kind="job", why="the rendezvous store is gone")
+        self.events.emit("exit", generation=self.generation, code=self.exit_code)
 
     def close(self) -> None:
         self.rounds.close()
