@@ -32,9 +32,12 @@ STEPS = 60
 STORE_LOST_EXIT_S = 30.0
 
 
-def test_lost_store_host_is_a_full_job_restart_that_resumes_from_the_replicas(cluster: Cluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("rdzv", ["c10d", "tierckpt"])
+def test_lost_store_host_is_a_full_job_restart_that_resumes_from_the_replicas(cluster: Cluster, tmp_path: Path,
+                                                                              rdzv: str) -> None:
     h0, h1 = cluster.add_host(), cluster.add_host()
     job = HostJob(cluster, tmp_path, train=["--steps", str(STEPS), "--global-mode"], run_args=["--replicas", "1"])
+    job.rdzv_backend = rdzv  # torch's c10d handler, or ours (membership/rdzv.py): the store is node 0's in both
     job.start([h0, h1])
     job.wait_for(lambda: min(job.last_step(r) for r in RANKS) >= 8, 180, "both ranks reach step 8")
     job.wait_for(lambda: newest_replica(h1, f"{NS}*") >= 0, 60, "host 1 holds a replica of node 0")
@@ -57,6 +60,7 @@ def test_lost_store_host_is_a_full_job_restart_that_resumes_from_the_replicas(cl
     h2 = cluster.add_host()
     again = HostJob(cluster, tmp_path, train=["--steps", str(STEPS), "--global-mode"], run_args=["--replicas", "1"])
     again.rdzv_id = job.rdzv_id  # the same job: its restart state and its memory tiers carry over
+    again.rdzv_backend = rdzv
     t_again = time.time()
     again.start([h2, h1])
     codes = again.wait_exit(300, [h2.name, h1.name])
@@ -72,5 +76,5 @@ def test_lost_store_host_is_a_full_job_restart_that_resumes_from_the_replicas(cl
     tiers = (resumed[0]["tiers"] or []) + (resumed[1]["tiers"] or [])  # type: ignore[index]
     assert "peer" in tiers, resumed  # rank 0's state came from host 1's replica: host 2 started empty
     assert all(again.last_step(r) == STEPS for r in RANKS), again.report()
-    print(f"\nlost store host: LostStore {faults[0]['time'] - t_kill:.2f} s after the kill, exit 75 at "
+    print(f"\nlost store host ({rdzv}): LostStore {faults[0]['time'] - t_kill:.2f} s after the kill, exit 75 at "
           f"{t_exit - t_kill:.2f} s; relaunched job resumed step {step} (tiers {tiers})")
