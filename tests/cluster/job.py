@@ -72,7 +72,7 @@ class HostJob:
         self.node_timeout = node_timeout
         self.max_restarts = max_restarts
         #: the rendezvous backend (``--rdzv-backend``): c10d, or tierckpt (membership/rdzv.py)
-        self.rdzv_backend = os.environ.get("TIERCKPT_TEST_RDZV_BACKEND", "c10d")
+        self.rdzv_backend = os.environ.get("TIERCKPT_TEST_RDZV_BACKEND", "tierckpt")
         self.rdzv_id = f"job{os.getpid()}"
         self.secret = secrets.token_hex(32)
         self.head: Host | None = None

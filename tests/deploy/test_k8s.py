@@ -96,7 +96,7 @@ def test_jobset_from_the_seed_job(tmp_path: Path) -> None:
     # the command: tierckpt run with the seed's torchrun options and script, our rendezvous
     assert trainer["command"] == ["tierckpt", "run"]
     a = run_args(trainer)
-    assert a.nnodes == "4" and a.nproc_per_node == "8" and a.rdzv_backend == "c10d"
+    assert a.nnodes == "4" and a.nproc_per_node == "8" and a.rdzv_backend == "tierckpt"
     assert a.rdzv_endpoint == "llama3-1-8b-fsdp-node-0-0.llama3-1-8b-fsdp:29400"
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "llama3-1-8b-fsdp"}
     assert a.rdzv_id == "llama3-1-8b-fsdp" and a.tee == "3" and a.log_dir == "/tmp/hyperpod"

@@ -101,7 +101,7 @@ def test_srun_runs_one_tierckpt_run_per_node(tmp_path: Path) -> None:
         argv = (log / f"tierckpt.{node}").read_text().splitlines()
         assert argv[0] == "run"
         a = build_parser().parse_args(argv[1:])  # the launcher's own (torchrun's) parser
-        assert (a.nnodes, a.nproc_per_node, a.rdzv_backend) == ("2", "8", "c10d")
+        assert (a.nnodes, a.nproc_per_node, a.rdzv_backend) == ("2", "8", "tierckpt")
         assert a.rdzv_endpoint == "gpu-a:29400" and a.rdzv_id == "4242"
         assert a.namespace == "llama" and a.memory_dir == "/dev/shm/tierckpt"
         assert a.max_restarts == 10  # in-place restarts: torchrun's default (0) would end the job at the first crash

@@ -118,7 +118,7 @@ class LocalJob:
         self.max_restarts = max_restarts
         self.agents: dict[int, subprocess.Popen[bytes]] = {}
         #: the rendezvous backend (``--rdzv-backend``): c10d, or tierckpt (membership/rdzv.py)
-        self.rdzv_backend = os.environ.get("TIERCKPT_TEST_RDZV_BACKEND", "c10d")
+        self.rdzv_backend = os.environ.get("TIERCKPT_TEST_RDZV_BACKEND", "tierckpt")
         self.rdzv_id = f"job{self.port}"
         self.per_node_args: dict[int, list[str]] = {}
         #: the workers' module (``python -m``), given ``--workdir`` and ``train``

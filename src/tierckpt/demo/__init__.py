@@ -32,7 +32,7 @@ def _start(work: Path, memory: list[str], steps: int) -> list[subprocess.Popen[b
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs = []
     for n in (0, 1):
-        cmd = [sys.executable, "-m", "tierckpt.cli", "run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
+        cmd = [sys.executable, "-m", "tierckpt.cli", "run", "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=tierckpt",
                f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={rdzv_id}", f"--rdzv-conf=is_host={int(n == 0)}",
                "--max-restarts=3", "--monitor-interval=0.1", "--namespace=tierckpt-demo", f"--memory-dir={memory[n]}",
                f"--events={work / f'events_node{n}.jsonl'}", "-m", "tierckpt.demo.resilient",

@@ -110,7 +110,7 @@ def secret(spec: RenderSpec) -> dict[str, Any] | None:
 
 
 def _run_command(spec: RenderSpec, endpoint: str, peers: list[str]) -> list[str]:
-    args = ["--nnodes", spec.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+    args = ["--nnodes", spec.nnodes, "--rdzv-backend", "tierckpt", "--rdzv-endpoint", endpoint,
             "--rdzv-id", spec.name, "--job", f"{JOB_FILE_DIR}/job.yaml", "--memory-dir", spec.memory_dir,
             "--metrics-port", str(spec.metrics_port)]
     if spec.hosted_agent:

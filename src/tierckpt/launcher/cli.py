@@ -1,6 +1,6 @@
 """``tierckpt run``: torchrun's own argument parser plus tierckpt's options; argv → agent → exit code.
 
-    tierckpt run --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint host:29400 \\
+    tierckpt run --nnodes 2 --nproc-per-node 1 --rdzv-endpoint host:29400 \\
         --rdzv-id job1 --max-restarts 5 --job job.yaml --namespace run1 --events ev.jsonl train.py ...
 
 Every torchrun argument means what it means to torchrun. Exit codes: 0 the workers finished;
@@ -30,6 +30,9 @@ log = logging.getLogger("tierckpt.run")
 
 _FAST_RDZV = {"keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
 
+#: ``--rdzv-backend`` when none is given (torchrun's is static): tierckpt's own (membership/rdzv.py)
+RDZV_DEFAULT = "tierckpt"
+
 #: restarts in all when neither --max-restarts nor runPolicy.jobMaxRetryCount is given
 DEFAULT_MAX_RESTARTS = 10
 
@@ -47,8 +50,13 @@ def build_parser() -> ArgumentParser:
                      "nodes, restarts every worker in place with a new job-wide generation, and escalates per the "
                      "HyperPod runPolicy. Exit codes: 0 done, 1 failed, 2 bad arguments or job file, "
                      "70 launcher error, 75 full job restart needed, 128+N signal N.")
-    for action in p._actions:  # torchrun's own option, with tierckpt's default (None: not given)
-        if action.dest == "max_restarts":
+    for action in p._actions:  # torchrun's own options, with tierckpt's defaults
+        if action.dest == "rdzv_backend":
+            action.default = RDZV_DEFAULT
+            action.help = (f"rendezvous backend (default {RDZV_DEFAULT}: tierckpt's own, O(1) store operations per "
+                           "node, launcher/membership/rdzv.py; c10d: torch's; static: torchrun's fixed ranks, with "
+                           "--node-rank and --master-addr)")
+        if action.dest == "max_restarts":  # None: not given
             action.default = None
             action.help = (f"restarts in all before the job fails (default {DEFAULT_MAX_RESTARTS}, torchrun's is 0: "
                            "a long job meets several faults, a lost node, a NaN, a preemption, and should recover "
@@ -402,10 +410,11 @@ def launch(args: Namespace, opts: Any) -> int:
 
     # ``kill -USR2 <launcher>`` writes every thread's stack to its stderr (a launcher that seems stuck)
     faulthandler.register(signal.SIGUSR2, all_threads=True)
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
-    elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.standalone:  # one host: a store of its own on a free port (torchrun's --standalone, our backend)
+        args.rdzv_backend = args.rdzv_backend if args.rdzv_backend in ("c10d", RDZV_DEFAULT) else RDZV_DEFAULT
+        args.rdzv_endpoint, args.rdzv_id = "localhost:0", str(uuid.uuid4())
+    elif args.rdzv_backend in ("static", RDZV_DEFAULT) and not args.rdzv_endpoint and args.master_port is None:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = RDZV_DEFAULT, "localhost:0", str(uuid.uuid4())
     if args.master_port is None:
         args.master_port = 29500
     if args.max_restarts is None:

@@ -107,7 +107,8 @@ class TwoNodeJob:
 
     # ---- starting ----
     def command(self, node: int) -> list[str]:
-        rdzv = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
+        backend = "c10d" if self.launcher == "torchrun" else "tierckpt"  # each launcher's own default
+        rdzv = ["--nnodes=2", "--nproc-per-node=1", f"--rdzv-backend={backend}", f"--rdzv-endpoint=127.0.0.1:{self.port}",
                 f"--rdzv-id=bench{self.port}", f"--rdzv-conf=is_host={int(node == 0)}", "--max-restarts=3",
                 "--monitor-interval=0.1"]
         train = ["-m", "tierckpt.demo.resilient", "--workdir", str(self.work), "--steps", str(self.steps),
