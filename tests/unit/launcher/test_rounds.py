@@ -150,3 +150,48 @@ def test_a_survivor_never_waits_at_the_spare_gate_and_forget_makes_it_a_newcomer
     assert r.held_rank is None
     # a handler without a store or a maximum (not torch's c10d one) has no gate either
     assert r.gate(object(), ready=lambda: True, generation=0, load_avoid=tuple) is None
+
+
+def test_a_member_that_died_after_it_arrived_breaks_the_round_and_the_others_form_the_next(tmp_path: Path) -> None:
+    """Three nodes arrive in a round of tierckpt's handler (min 2, max 3); the third dies before
+    it claims its rank. The two others do not wait for the join barrier's 600 s: the round is
+    broken (``ranks.RoundBroken``), each says so in a ``warning`` and joins the next round, which
+    forms without the dead node. A real TCPStore: the handler blocks in its ``wait``."""
+    from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+
+    def handler() -> TierckptRendezvousHandler:
+        c = dist.TCPStore("127.0.0.1", server.port, is_master=False)  # type: ignore[attr-defined]
+        return TierckptRendezvousHandler(c, "job", min_nodes=2, max_nodes=3, last_call_s=0.3, lead_stale_s=0.5)
+
+    handlers = [handler() for _ in range(3)]
+    rounds = [_rounds(tmp_path, f"n{i}") for i in range(2)]
+    for r in rounds:
+        r.claims_timeout_s = 0.5
+    out: list[Any] = [None] * 3
+
+    def live(i: int) -> None:
+        def one_round() -> None:
+            info = handlers[i].next_rendezvous()
+            out[i] = (rounds[i].assign(info.store, info.rank, info.world_size, "job"), info.world_size)
+        try:
+            rounds[i].rendezvous(one_round, generation=0)
+        except Exception as exc:  # the test reads it
+            out[i] = exc
+
+    def dead() -> None:
+        out[2] = handlers[2].next_rendezvous().world_size  # arrived, in the round, then gone: no claim
+
+    threads = [threading.Thread(target=live, args=(0,)), threading.Thread(target=live, args=(1,)),
+               threading.Thread(target=dead)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert out[2] == 3, out  # the round closed with the three of them
+    assert sorted(out[:2]) == [(0, 2), (1, 2)], out  # the next round: the two live nodes, ranks 0 and 1
+    for i in range(2):
+        warnings = [e for e in _events(tmp_path, f"n{i}") if e["event"] == "warning"]
+        assert len(warnings) == 1 and "round broken" in warnings[0]["what"], warnings
+        assert "joining the next round" in warnings[0]["what"]

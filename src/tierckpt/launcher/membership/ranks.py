@@ -39,7 +39,18 @@ from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import timeout_error
 from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
-__all__ = ["Claim", "assign", "exchange", "exchange_round", "identity", "load_prior", "members_digest", "save_prior"]
+__all__ = ["CLAIMS_TIMEOUT_S", "Claim", "RoundBroken", "assign", "exchange", "exchange_round", "identity",
+           "load_prior", "members_digest", "save_prior"]
+
+#: how long torch rank 0 waits for every member's claim after the round closed (a live member
+#: claims within milliseconds of its return from the round): a member that died between its
+#: arrival and the close breaks the round, and every member joins the next one (``RoundBroken``)
+CLAIMS_TIMEOUT_S = 15.0
+
+
+class RoundBroken(ProtocolError):
+    """A member of the round never claimed its rank (it died after it arrived): every member
+    leaves the round and joins the next one (``Rounds.rendezvous`` retries)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,7 +110,7 @@ def assign(claims: Sequence[Claim]) -> list[int]:
     return [r if r is not None else next(free) for r in out]
 
 
-def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: float = 120.0) -> int:
+def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: float = CLAIMS_TIMEOUT_S) -> int:
     """Publish this agent's claim in the round's store, return this agent's rank (``exchange_round``).
 
     ``store`` is the round's store (torch's ``PrefixStore`` per round), so claims of an older
@@ -109,7 +120,7 @@ def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: 
 
 
 def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
-                   timeout: float = 120.0) -> tuple[int, dict[int, str], dict[int, str]]:
+                   timeout: float = CLAIMS_TIMEOUT_S) -> tuple[int, dict[int, str], dict[int, str]]:
     """``exchange``, plus the memberships: (this agent's rank, the previous round's membership as
     the survivors knew it, this round's membership), each group rank -> identity.
 
@@ -120,6 +131,10 @@ def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
     map is the decision's base reads only the difference (the nodes that left or joined); a node
     without it (a newcomer, a spare) reads the whole memberships, compressed. Keys: ``keys.py``
     "On the store of one rendezvous round".
+
+    A member whose claim does not come within ``timeout`` (it died after it arrived) breaks the
+    round: torch rank 0 publishes that instead of a decision, and every member raises
+    ``RoundBroken`` (also when torch rank 0 itself publishes nothing within ``timeout`` + 5 s).
     """
     digest = None
     if claim.members:
@@ -129,11 +144,13 @@ def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
     store.set(keys.rank_claim(torch_rank), claim.to_json(digest))
     if torch_rank == 0:
         _decide(store, world, timeout)
-    _wait(store, [keys.RANK_DECIDED], timeout,
+    _wait(store, [keys.RANK_DECIDED], timeout + 5.0,
           "the round's first node (torch rank 0) did not publish the round's ranks within {t:.0f}s "
-          "after the rendezvous (it failed or left during the round)")
-    rank_raw, decided_raw = store.multi_get([keys.rank_decided(torch_rank), keys.RANK_DECIDED])
-    decided = json.loads(decided_raw)
+          "after the rendezvous (it failed or left during the round)", broken=True)
+    decided = json.loads(store.get(keys.RANK_DECIDED))
+    if decided.get("broken"):
+        raise RoundBroken(f"round broken: {decided['broken']}")
+    rank_raw = store.get(keys.rank_decided(torch_rank))
     if digest is not None and claim.members is not None and decided.get("base") == digest:
         before = _apply(claim.members, decided["before"])
         after = _apply(claim.members, decided["after"])
@@ -152,8 +169,14 @@ def members_digest(members: dict[int, str]) -> str:
 def _decide(store: Any, world: int, timeout: float) -> None:
     """Torch rank 0: every claim (one wait, one multi_get), ``assign``, the decision published."""
     claimed = [keys.rank_claim(i) for i in range(world)]
-    _wait(store, claimed, timeout, "not every node published its rank claim within {t:.0f}s after the "
-          "rendezvous; check that every node runs the same tierckpt version")
+    try:
+        _wait(store, claimed, timeout, "", broken=True)
+    except RoundBroken as exc:
+        missing = [i for i, k in enumerate(claimed) if not store.check([k])]
+        why = (f"torch rank(s) {missing} of {world} published no rank claim within {timeout:g}s of the round's "
+               "close (gone since their arrival, or another tierckpt version)")
+        store.set(keys.RANK_DECIDED, json.dumps({"broken": why}).encode())
+        raise RoundBroken(f"round broken: {why}") from exc
     claims = [Claim.from_json(bytes(raw)) for raw in store.multi_get(claimed)]
     digests = list(dict.fromkeys(c.digest for c in claims if c.survivor and c.digest))
     _wait(store, [keys.rank_known(d) for d in digests], timeout,
@@ -196,13 +219,13 @@ def _unpack(raw: bytes) -> Any:
     return json.loads(zlib.decompress(bytes(raw)))
 
 
-def _wait(store: Any, names: list[str], timeout: float, why: str) -> None:
+def _wait(store: Any, names: list[str], timeout: float, why: str, *, broken: bool = False) -> None:
     if not names:
         return
     try:
         store.wait(names, datetime.timedelta(seconds=timeout))
     except timeout_error() as exc:
-        raise ProtocolError(why.format(t=timeout)) from exc
+        raise (RoundBroken if broken else ProtocolError)(why.format(t=timeout)) from exc
 
 
 def _path(memory_dir: str | None, run_id: str) -> Path:

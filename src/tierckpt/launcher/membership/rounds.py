@@ -9,6 +9,7 @@ and avoided (avoid.py), the arrivals of spares below MAX (spares.py) and the sca
 Call order (the supervisor, supervisor/torch_agent.py):
 
     gate(handler, ready, generation)            # before torch's round (None: it did not wait)
+    rendezvous(round_call, generation)          # torch's round, again while a member breaks it
     assign(store, group_rank, world, run_id)    # inside torch's round: this node's stable rank
     after_round(job_store, offenses, avoid)     # once the round formed, with the state file's lists
     settled(job_store, node, nnodes, ...) -> Round   # after a round or a regroup: the value the parts follow
@@ -69,6 +70,7 @@ class Rounds:
         self.held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
         self.stable_rank: int | None = None  # this round's group rank, set by ``assign``
         self.members: dict[int, str] = {}  # group rank -> identity of the last round (ranks.exchange_round)
+        self.claims_timeout_s = ranks.CLAIMS_TIMEOUT_S  # a member's claim after the close (ranks.RoundBroken)
         self._change = Change(before={}, after={})  # the last round's membership change, reported by ``settled``
         self._arrivals_seen = 0  # spares.arrivals when this round settled
         policy = opts.run_policy.restart_policy
@@ -115,6 +117,20 @@ class Rounds:
         fields: dict[str, Any] = {"state": "warm"} if job_nodes is None else {"state": "standby", "job_nodes": job_nodes}
         self.events.emit("spare", generation=generation, identity=ranks.identity(self.opts.memory_dir), **fields)
 
+    def rendezvous(self, round_call: Callable[[], None], generation: int, *, attempts: int = 3) -> None:
+        """torch's round (``round_call``), joined again while a member breaks it: one that arrived
+        and died before it claimed its rank (``ranks.RoundBroken``, a ``warning`` event each time);
+        the last attempt's error goes up."""
+        for attempt in range(1, attempts + 1):
+            try:
+                round_call()
+                return
+            except ranks.RoundBroken as exc:
+                if attempt == attempts:
+                    raise
+                self.events.emit("warning", generation=generation,
+                                 what=f"{exc}; joining the next round (attempt {attempt + 1} of {attempts})")
+
     def assign(self, store: Any, group_rank: int, group_world_size: int, run_id: str) -> int:
         """Inside torch's round: the group rank this node held before (ranks.py), instead of
         torch's arrival order; torch's rank assignment then runs from it."""
@@ -123,7 +139,8 @@ class Rounds:
         prior = self.held_rank if survivor else ranks.load_prior(memory_dir, run_id)
         claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
                             members=self.members if survivor else None)
-        stable, before, self.members = ranks.exchange_round(store, group_rank, group_world_size, claim)
+        stable, before, self.members = ranks.exchange_round(store, group_rank, group_world_size, claim,
+                                                            timeout=self.claims_timeout_s)
         self._change = Change(before=before, after=self.members)
         self.stable_rank = stable
         return stable

@@ -185,7 +185,7 @@ class Supervisor:
                                  load_avoid=lambda: self.ledger.load().avoid)
         with RendezvousProgress(handler, self.opts.rdzv_endpoint or "the rendezvous"), \
                 SpareWatch(handler, lambda n: self.rounds.standing_by(n, self.generation)) as spare:
-            self.agent.torch_rendezvous(wg)
+            self.rounds.rendezvous(lambda: self.agent.torch_rendezvous(wg), self.generation)
         if self.rounds.stable_rank is not None:  # torch set its own order's rank; ours is the node's old one
             wg.group_rank = self.rounds.stable_rank  # type: ignore[assignment]  # torch annotates it None
         store = wg.store
