@@ -125,7 +125,7 @@ def test_below_max_the_round_closes_after_the_last_call_and_a_late_node_waits_fo
 
 
 def test_a_node_that_arrives_after_the_close_joins_the_next_round(server: Any) -> None:
-    hs = [_handler(server, min_nodes=2, max_nodes=2) for _ in range(3)]
+    hs = [_handler(server, min_nodes=2, max_nodes=2, join_timeout_s=3.0) for _ in range(3)]
     got = _all(hs, stagger=0.3)  # the third arrives after the first two closed round 0
     members = [g for g in got if isinstance(g, tuple)]
     assert sorted(members) == [(0, 2), (1, 2)] or len(members) == 2
@@ -221,3 +221,47 @@ def _wait_for(cond: Callable[[], bool], timeout: float) -> bool:
     while not cond() and time.monotonic() < deadline:
         time.sleep(0.02)
     return cond()
+
+
+def test_a_round_closes_only_on_an_allowed_count_and_the_rest_wait(server: Any) -> None:
+    """replicaDiscreteValues [1, 3] (``Elastic.allowed``, narrowed by the supervisor): two nodes
+    arrive for a job of 1 to 3; the round closes with one (2 is forbidden), the other waits in the
+    next round, and when a third node arrives the running member re-joins and all three form it."""
+    hs = [_handler(server, min_nodes=1, max_nodes=3) for _ in range(3)]
+    for h in hs:
+        assert torch_rdzv.narrow(h, (1, 3))
+    got: dict[int, Any] = {}
+
+    def join(i: int) -> None:
+        info = hs[i].next_rendezvous()
+        got.setdefault(i, []).append((info.rank, info.world_size))
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 20
+    while len(got) < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.0)  # the other's round does not close meanwhile: nobody of round 0 re-joined
+    assert list(got.values()) == [[(0, 1)]], got  # one closed round of one: 2 is forbidden
+    member = next(iter(got))
+    waiting = 1 - member
+    threads += [threading.Thread(target=join, args=(member,)), threading.Thread(target=join, args=(2,))]
+    for t in threads[2:]:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted([got[member][1], got[waiting][0], got[2][0]]) == [(0, 3), (1, 3), (2, 3)], got
+
+
+def test_a_late_node_waits_for_the_running_job_to_re_form_or_be_gone(server: Any) -> None:
+    """min 1: a node arriving after round 0 closed leads round 1 but does not close it alone
+    while round 0's members may re-join (c10d keeps it in its wait list); after ``orphan_s``
+    without any, it closes (the last round's members are gone)."""
+    hs = [_handler(server, min_nodes=1, max_nodes=3) for _ in range(2)]
+    assert sorted(_all(hs)) == [(0, 2), (1, 2)]
+    late = _handler(server, min_nodes=1, max_nodes=3, orphan_s=2.0)
+    t0 = time.monotonic()
+    info = late.next_rendezvous()
+    waited = time.monotonic() - t0
+    assert (info.rank, info.world_size) == (0, 1) and waited >= 2.0, waited

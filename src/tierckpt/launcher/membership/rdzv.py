@@ -15,6 +15,11 @@ A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integ
     r<k>/lead             the arrival index that leads round k (absent: 0, the first arrival)
     r<k>/beat             the leader's counter while it decides (a waiting node takes over a stale one)
     r<k>/who/<i>          arrival i's host name and pid
+    r<k>/rejoined         arrivals that were members of an earlier round (``add``): round k ≥ 1 closes
+                          only once one of them came (the running job re-forms), as c10d keeps a
+                          late node in its wait list until a participant re-joins; after
+                          ``orphan_s`` without one (every member of the last round gone, the store
+                          served from elsewhere) it closes all the same
     r<k>/rank/<i>         arrival i's rank in the round, set by the leader (one multi_set) before ...
     r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members,
                           ranked by (host name, pid) as torch's c10d handler ranks its participants
@@ -25,10 +30,13 @@ A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integ
 Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
 
     next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1; set(r<k>/who/<i>)
+        a member of an earlier round: add(r<k>/rejoined, 1)
         i == leader:    poll r<k>/n until max_nodes arrived, or min_nodes and ``last_call_timeout``
-                        passed; wait for the N members' who keys, read them (multi_get), set their
-                        ranks (multi_set), set r<k>/world = N (compare_set, then set: the wake-up),
-                        then round = k+1                                         (the leader only)
+                        passed (k ≥ 1: and a member of an earlier round rejoined); N = the most
+                        nodes the job may run on (``allowed``: replicaDiscreteValues); wait for the
+                        N members' who keys, read them (multi_get), set their ranks (multi_set),
+                        set r<k>/world = N (compare_set, then set: the wake-up), then
+                        round = k+1                                              (the leader only)
         everyone:       wait(r<k>/world) -> N; i < N: a member, with get(r<k>/rank/<i>) and world N
                         (the supervisor's Rounds then gives every node its old rank back);
                         i >= N: arrived after the close: join round k+1 (a node waiting there is
@@ -77,7 +85,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
 
     def __init__(self, store: Any, run_id: str, *, min_nodes: int, max_nodes: int,
                  join_timeout_s: float = 600.0, last_call_s: float = 1.0, poll_s: float = 0.01,
-                 lead_stale_s: float = 3.0) -> None:
+                 lead_stale_s: float = 3.0, orphan_s: float = 60.0) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"min_nodes {min_nodes} and max_nodes {max_nodes}: need 1 <= min <= max")
         self.store = store  # the job store (a TCPStore): JobControl, liveness and the rounds share it
@@ -87,6 +95,10 @@ class TierckptRendezvousHandler(RendezvousHandler):
         self.last_call_s = last_call_s
         self.poll_s = poll_s
         self.lead_stale_s = lead_stale_s
+        self.orphan_s = orphan_s
+        #: the node counts the job may run on (``Elastic.allowed``; empty: every count MIN..MAX); the
+        #: supervisor narrows it from the job file (torch_rdzv.narrow)
+        self.allowed: tuple[int, ...] = ()
         self._prefix = f"tierckpt/rdzv/{run_id}/"
         self._host = socket.getfqdn()
         self.round: int | None = None  # the round this node last joined as a member
@@ -138,6 +150,8 @@ class TierckptRendezvousHandler(RendezvousHandler):
             k = _int(peek(self.store, self._key("round")))
             i = int(self.store.add(self._r(k, "n"), 1)) - 1
             self.store.set(self._r(k, f"who/{i}"), f"{self._host}\n{os.getpid()}".encode())
+            if self.round is not None:  # a member of an earlier round: the running job re-forms
+                self.store.add(self._r(k, "rejoined"), 1)
             self.arrived = (k, i)
             world = self._await_world(k, i, deadline)
             if i < world:
@@ -194,12 +208,17 @@ class TierckptRendezvousHandler(RendezvousHandler):
         """Decide round k: wait for max_nodes, or for min_nodes and the last call; close it."""
         min_since: float | None = None
         beat = self._r(k, "beat")
+        started = time.monotonic()
+        rejoined = k == 0  # round 0 follows no round
         while True:
             n = self._arrivals(k)
             now = time.monotonic()
-            if n >= self.max_nodes:
+            if not rejoined:  # k ≥ 1: a late node waits for the running job to re-form (or to be gone)
+                rejoined = self.round is not None or int(self.store.add(self._r(k, "rejoined"), 0)) > 0 \
+                    or now - started >= self.orphan_s
+            if rejoined and n >= self.max_nodes:
                 break
-            if n >= self.min_nodes:
+            if rejoined and n >= self.min_nodes and self._floor(n) is not None:
                 min_since = now if min_since is None else min_since
                 if now - min_since >= self.last_call_s:
                     break
@@ -210,7 +229,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
                 raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
             self.store.add(beat, 1)
             time.sleep(self.poll_s)
-        world = min(n, self.max_nodes)
+        world = self._floor(n) or min(n, self.max_nodes)
         self._rank(k, world, deadline)
         # compare_set: a leader that took over from a stale one and the stale one decide once between them;
         # then set the decided value again (the same bytes), since torch's legacy TCPStore server
@@ -219,6 +238,13 @@ class TierckptRendezvousHandler(RendezvousHandler):
         key = self._r(k, "world")
         self.store.set(key, bytes(self.store.compare_set(key, b"", str(world).encode())))
         self.store.compare_set(self._key("round"), str(k).encode() if k else b"", str(k + 1).encode())
+
+    def _floor(self, n: int) -> int | None:
+        """The most nodes the round may close with when ``n`` arrived (None: fewer than MIN); the
+        arrivals past it wait for the next round."""
+        n = min(n, self.max_nodes)
+        ok = [a for a in (self.allowed or range(self.min_nodes, self.max_nodes + 1)) if self.min_nodes <= a <= n]
+        return max(ok) if ok else None
 
     def _rank(self, k: int, world: int, deadline: float) -> None:
         """The members' ranks: by (host name, pid), as torch's c10d handler orders its participants
@@ -254,7 +280,8 @@ def create_handler(params: RendezvousParameters) -> TierckptRendezvousHandler:
         store, params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
         join_timeout_s=float(params.get_as_int("join_timeout", 600) or 600),
         last_call_s=float(params.get("last_call_timeout", 1.0)),
-        lead_stale_s=float(params.get("lead_stale_timeout", 3.0)))
+        lead_stale_s=float(params.get("lead_stale_timeout", 3.0)),
+        orphan_s=float(params.get("orphan_timeout", 60.0)))
 
 
 def handler_creator() -> Any:

@@ -90,6 +90,8 @@ class Rounds:
         formed, the gate seats this agent in it or holds it as a spare (seats.py); the seat's
         beat runs until the round formed (group rank 0 published its node count). ``load_avoid``:
         the state file's avoid list, read at the first gate only."""
+        if self.opts.elastic is not None and self.opts.elastic.allowed:  # rounds close on allowed counts only
+            torch_rdzv.narrow(handler, self.opts.elastic.allowed)
         if self.held_rank is not None:
             return None
         job_store, max_nodes = torch_rdzv.store_of(handler), torch_rdzv.max_nodes_of(handler)

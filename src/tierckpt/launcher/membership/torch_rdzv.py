@@ -9,6 +9,7 @@ torch that renamed one loses a report or a shortcut, never the job).
     standing_by(handler)      the running round's nodes if this agent waits in torch's redundancy list
     leave_round(handler)      take this agent out of torch's completed round (a repeat offender
                               standing aside): True when the others need not wait for its keep-alive
+    narrow(handler, allowed)  the node counts a round may close with (ours; c10d cannot: False)
 
 Pinned by ``tests/unit/launcher/test_torch_rdzv.py`` on this torch's c10d handler and on ours.
 """
@@ -19,7 +20,7 @@ from typing import Any
 
 from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
 
-__all__ = ["joined", "leave_round", "max_nodes_of", "standing_by", "store_of"]
+__all__ = ["joined", "leave_round", "max_nodes_of", "narrow", "standing_by", "store_of"]
 
 
 def store_of(handler: Any) -> Any | None:
@@ -28,6 +29,15 @@ def store_of(handler: Any) -> Any | None:
         return handler.store
     store = getattr(handler, "_store", None)
     return getattr(store, "underlying_store", store)
+
+
+def narrow(handler: Any, allowed: tuple[int, ...]) -> bool:
+    """Rounds close only with a count of ``allowed`` (``elasticPolicy.replicaDiscreteValues``):
+    ours can (the arrivals past it wait for the next round); torch's c10d cannot (False)."""
+    if isinstance(handler, TierckptRendezvousHandler):
+        handler.allowed = tuple(allowed)
+        return True
+    return False
 
 
 def max_nodes_of(handler: Any) -> int | None:
