@@ -60,15 +60,19 @@ def steps_of(job: LocalJob, rank: int) -> dict[int, dict[int, str]]:
 
 
 def assert_resumed_on_trajectory(job: LocalJob, gen: int, reference: dict[int, dict[int, str]], *,
-                                 at_least: int, complete: bool = True, steps: int = STEPS) -> int:
-    """Both ranks resumed generation ``gen`` from the same step (the newest both saved, >= ``at_least``), with the weights saved
-    at that step, and every step trained since equals the fault-free run's, bit for bit, to the last."""
+                                 at_least: int, complete: bool = True, steps: int = STEPS,
+                                 available: int | None = None) -> int:
+    """Both ranks resumed generation ``gen`` from the same step (the newest both saved, >= ``at_least``;
+    ``available``: the newest step a rank's surviving tiers still held, when its own memory was lost), with
+    the weights saved at that step, and every step trained since equals the fault-free run's, bit for bit."""
     resumed = {r: job.resumed(r, gen) for r in RANKS}
     assert all(v is not None and v["step"] is not None for v in resumed.values()), (resumed, job.report())
     step = resumed[0]["step"]
     assert resumed[1]["step"] == step and step >= at_least, resumed
     # the newest step both ranks saved before (a save in flight at the fault may not have committed)
     newest_both = min(max(s for g, sd in steps_of(job, r).items() if g < gen for s in sd) for r in RANKS)
+    if available is not None:
+        newest_both = min(newest_both, available)
     assert step in (newest_both, newest_both - 1), (step, newest_both)
     for r in RANKS:
         by_gen = steps_of(job, r)
@@ -156,6 +160,9 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     stopped_after = time.monotonic() - t_kill
     print(f"worker stopped {stopped_after:.3f}s after its agent's SIGKILL")
     _wipe(job.memory[1])  # and the replacement has an empty memory tier: it must use the peer's replica
+    # node 1's agent replicated its steps: what node 0 holds of rank 1 now is all that is left of it
+    # (replication lags saves under load: beside a CPU hog it held step 7 when rank 1 had saved 9)
+    available = newest_replica(job.memory[0])
     fault = job.wait_for(lambda: next((e for e in job.events(0) if e["event"] == "fault"), None), 30,
                          "the survivor reports the fault")
     assert (fault["reason"], fault["node"]) == ("LostNode", 1), job.report()
@@ -165,7 +172,7 @@ def test_sigkill_of_tierckpt_run_stops_its_workers(make_job: Callable[..., Local
     assert job.wait_exit(180) == {0: 0, 1: 0}, job.report()
     gen = max(e["generation"] for e in job.trace(0))
     assert gen >= 1
-    assert_resumed_on_trajectory(job, gen, fault_free, at_least=held)
+    assert_resumed_on_trajectory(job, gen, fault_free, at_least=held, available=available)
     assert "peer" in (job.resumed(1, gen) or {}).get("tiers", []), job.resumed(1, gen)
     assert not [e for e in job.events() if e["event"] == "fault" and e["reason"] == "CrashLoop"]
 
