@@ -148,7 +148,7 @@ class Events:
                 self.healthy.set(1 if fields["healthy"] else 0)
             if fields.get("status") == "unhealthy":
                 self.health_failures.inc(check=str(fields.get("check")))
-        elif event == "drain" and fields.get("to") == "spare":
+        elif event == "drain" and fields.get("state") == "left":
             self.drains.inc()
         elif event == "started":
             self.jobs_started.inc()
