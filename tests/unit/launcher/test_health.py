@@ -202,6 +202,27 @@ def test_gpu_check_on_a_fake_nvidia_smi(tmp_path: Path) -> None:
     assert [c.name for c in build_checks(HealthConfig(checks=("gpu",), nvidia_smi=str(smi)))] == ["gpu"]
 
 
+#: ``nvidia-smi --query-gpu=<GpuCheck.QUERY> --format=csv,noheader,nounits`` as an H100 answered it
+#: (driver 580.159.04, the lent GPU machine): no page retirement there ([N/A]), row remapping instead
+H100 = "0, GPU-498cc3e4-d0a6-69bb-bae2-cebc46c3cf40, 0, [N/A], No, No"
+
+
+def test_gpu_check_on_an_answer_captured_from_an_h100_and_on_an_old_driver(tmp_path: Path) -> None:
+    smi = tmp_path / "nvidia-smi"
+    _fake_smi(smi, [H100])
+    check = GpuCheck(str(smi), timeout_s=5)
+    assert [(r.subject, r.status) for r in check.run() + check.run()] == [("gpu0", OK), ("gpu0", OK)]
+    _fake_smi(smi, [H100.replace("No, No", "Yes, No")])
+    assert "row remapping is pending" in check.run()[0].detail
+    _fake_smi(smi, [H100.replace("No, No", "No, Yes")])
+    assert "row remapping failed" in check.run()[0].detail
+    # a driver without row remapping refuses the fields: the check goes on without them
+    smi.write_text('#!/bin/sh\ncase "$1" in *remapped_rows*) echo \'Field "remapped_rows.pending" is not a valid '
+                   'field to query.\'; exit 2;; esac\necho "0, GPU-old, 0, No"\n')
+    old = GpuCheck(str(smi), timeout_s=5)
+    assert [(r.subject, r.status) for r in old.run()] == [("gpu0", OK)] and old.query == GpuCheck.BASE
+
+
 def test_route_interface_of_loopback() -> None:
     assert route_interface("127.0.0.1") == "lo"
     assert route_interface("no-such-host.invalid") is None

@@ -18,8 +18,8 @@ one ``nvidia-smi`` query), and judged so that a healthy machine never fails them
     memfs   the memory tier's filesystem: not mounted read-only, at least ``memfs_min_free_bytes``
             free, and a probe file can be created, written and removed
     gpu     ``nvidia-smi --query-gpu``: it answers in time, no GPU fell off the bus, no new
-            uncorrectable ECC error, no page retirement pending (on by default where ``nvidia-smi``
-            is on PATH)
+            uncorrectable ECC error, no page retirement or row remapping pending, no row remapping
+            failed (on by default where ``nvidia-smi`` is on PATH)
     command each ``--health-check CMD`` (``/bin/sh -c``): exit 0 is healthy, anything else (or no
             answer within ``command_timeout_s``) is unhealthy, its last output line the detail
 
@@ -315,16 +315,27 @@ class CommandCheck(Check):
 
 class GpuCheck(Check):
     name = "gpu"
-    QUERY = "index,uuid,ecc.errors.uncorrected.volatile.total,retired_pages.pending"
+    #: row remapping (Ampere and later) replaced page retirement; a driver or GPU without it answers
+    #: "is not a valid field to query" and the check goes on with ``BASE`` alone
+    BASE = "index,uuid,ecc.errors.uncorrected.volatile.total,retired_pages.pending"
+    QUERY = BASE + ",remapped_rows.pending,remapped_rows.failure"
 
     def __init__(self, nvidia_smi: str, *, timeout_s: float) -> None:
         self.nvidia_smi = nvidia_smi
         self.timeout_s = timeout_s
+        self.query = self.QUERY
         self._seen: dict[str, int] = {}  # uuid -> uncorrectable ECC errors last round (the GPUs seen)
 
-    def run(self) -> list[CheckResult]:
-        code, out = _run([self.nvidia_smi, f"--query-gpu={self.QUERY}", "--format=csv,noheader,nounits"],
+    def _query(self) -> tuple[int | None, str]:
+        code, out = _run([self.nvidia_smi, f"--query-gpu={self.query}", "--format=csv,noheader,nounits"],
                          self.timeout_s)
+        if code not in (0, None) and "not a valid field" in out and self.query != self.BASE:
+            self.query = self.BASE
+            return self._query()
+        return code, out
+
+    def run(self) -> list[CheckResult]:
+        code, out = self._query()
         if code != 0:
             what = f"no answer within {self.timeout_s:g}s" if code is None else f"exit {code}"
             return [CheckResult("gpu", "nvidia-smi", UNHEALTHY, f"nvidia-smi: {what}: {_last_line(out)}")]
@@ -336,9 +347,10 @@ class GpuCheck(Check):
         results = []
         for uuid in sorted(set(self._seen) - set(found)):
             results.append(CheckResult("gpu", uuid, UNHEALTHY, f"{uuid}: gone (no longer listed by nvidia-smi)"))
-        for uuid, (index, _, ecc, pending, *_) in found.items():
+        for uuid, (index, _, ecc, pending, *remap) in found.items():
             subject = f"gpu{index}"
-            bad = next((c for c in (ecc, pending) if "ERR" in c or "requires reset" in c.lower()), None)
+            remap_pending, remap_failed = (remap + ["", ""])[:2]
+            bad = next((c for c in (ecc, pending, *remap) if "ERR" in c or "requires reset" in c.lower()), None)
             errors = int(ecc) if ecc.isdigit() else None
             before = self._seen.get(uuid)
             self._seen[uuid] = errors if errors is not None else (before or 0)
@@ -347,9 +359,13 @@ class GpuCheck(Check):
             elif errors is not None and before is not None and errors > before:
                 results.append(CheckResult("gpu", subject, UNHEALTHY,
                                            f"{subject}: {errors - before} new uncorrectable ECC error(s)"))
-            elif pending.lower() == "yes":
-                results.append(CheckResult("gpu", subject, UNHEALTHY,
-                                           f"{subject}: a page retirement is pending (the GPU needs a reset)"))
+            elif pending.lower() == "yes" or remap_pending.lower() == "yes":
+                what = "a page retirement" if pending.lower() == "yes" else "a row remapping"
+                results.append(CheckResult("gpu", subject, UNHEALTHY, f"{subject}: {what} is pending (the GPU needs "
+                                           "a reset)"))
+            elif remap_failed.lower() == "yes":
+                results.append(CheckResult("gpu", subject, UNHEALTHY, f"{subject}: a row remapping failed (replace "
+                                           "the GPU)"))
             else:
                 results.append(CheckResult("gpu", subject, OK, f"{subject}: ok"))
         return results
