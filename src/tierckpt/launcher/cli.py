@@ -145,7 +145,7 @@ def _health_arguments(p: ArgumentParser) -> None:
     g = p.add_argument_group("node health (an unhealthy node leaves for a waiting spare at a step boundary)")
     g.add_argument("--health-check", action="append", default=[], metavar="CMD",
                    help="a shell command run on this node every --health-interval; a non-zero exit (or no answer "
-                   "within 30 s) fails it (repeatable; e.g. 'dcgmi diag -r 1', a site's own node check)")
+                   "within 30 s) fails it (repeatable; e.g. a site's node check, a script around 'dcgmi health -c')")
     g.add_argument("--health-checks", default="auto",
                    help="built-in checks, comma-separated from nic,edac,memfs,gpu, or 'none' (default 'auto': "
                    "each where it applies: the rendezvous/gloo interface, EDAC where the kernel has it, the "
