@@ -71,6 +71,11 @@ class AgentHandle:
 
         return start(self._agent.state, namespace, ranks, on_done)
 
+    def replicated_steps(self) -> dict[str, int]:
+        """Own namespace → the newest step replicated to at least one target (``tierckpt run``'s
+        drain waits for it: the spare that takes a drained node's rank loads that step)."""
+        return self._agent.state.replicated_steps()
+
     def tick(self) -> None:
         """Run one replication and budget round now (tests; the agent also runs them itself)."""
         self._agent.tick()

@@ -97,6 +97,7 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--avoid-wait", type=float, default=120.0,
                    help="seconds a relaunched repeat offender leaves the first round's seats to other nodes "
                         "before it takes a free one (default 120)")
+    _health_arguments(p)
     h = p.add_argument_group("hyperpodrun (the HyperPod elastic agent's own options, accepted as it spells them)")
     h.add_argument("--server-host", "--server_host", default="127.0.0.1",
                    help="address of the agent's HTTP API (default 127.0.0.1; hyperpodrun's is 0.0.0.0)")
@@ -145,6 +146,56 @@ def build_parser() -> ArgumentParser:
                         "the item checksums; the handshake still authenticates peers); every node of the job must "
                         "agree; off by default, a warning and the tierckpt_agent_insecure_wire gauge when on")
     return p
+
+
+def _health_arguments(p: ArgumentParser) -> None:
+    """The node health monitor's options (launcher/detect/health.py; docs/launcher.md "Node health")."""
+    g = p.add_argument_group("node health (an unhealthy node leaves for a waiting spare at a step boundary)")
+    g.add_argument("--health-check", action="append", default=[], metavar="CMD",
+                   help="a shell command run on this node every --health-interval; a non-zero exit (or no answer "
+                   "within 30 s) fails it (repeatable; e.g. a site's node check, a script around 'dcgmi health -c')")
+    g.add_argument("--health-checks", default="auto",
+                   help="built-in checks, comma-separated from nic,edac,memfs,gpu, or 'none' (default 'auto': "
+                   "each where it applies: the rendezvous/gloo interface, EDAC where the kernel has it, the "
+                   "memory tier's filesystem, nvidia-smi where it is on PATH)")
+    g.add_argument("--health-interval", type=float, default=10.0, help="seconds between health rounds (default 10)")
+    g.add_argument("--health-fail-after", type=int, default=2,
+                   help="failing rounds in a row before the node counts as unhealthy (default 2)")
+    g.add_argument("--health-drain-wait", type=float, default=120.0,
+                   help="seconds an unhealthy node with a spare waiting waits for the next committed step before "
+                   "it leaves anyway (default 120)")
+    g.add_argument("--health-nic", action="append", default=[], metavar="IFACE",
+                   help="network interface(s) the nic check watches (repeatable; default $GLOO_SOCKET_IFNAME, "
+                   "else the one that routes to the rendezvous endpoint)")
+    g.add_argument("--no-health", action="store_true", help="no health checks at all (commands included)")
+
+
+def _health(args: Namespace) -> Any:
+    """The health monitor's config; the checks are built once here so that a bad command fails
+    before any worker starts (exit 2)."""
+    from tierckpt.launcher.detect.health import HealthConfig, build_checks, route_interface
+
+    names = [c.strip() for c in str(args.health_checks).split(",") if c.strip()]
+    checks = None if names == ["auto"] else () if names == ["none"] else tuple(names)
+    nics = tuple(args.health_nic)
+    if not nics and not args.no_health:
+        gloo = os.environ.get("GLOO_SOCKET_IFNAME", "")
+        nics = tuple(n for n in gloo.split(",") if n)
+        if not nics and args.rdzv_endpoint and not args.standalone:
+            host = args.rdzv_endpoint.rpartition(":")[0].strip("[]") or args.rdzv_endpoint
+            found = route_interface(host)
+            nics = (found,) if found else ()
+    cfg = HealthConfig(enabled=not args.no_health, checks=checks, commands=tuple(args.health_check),
+                       interval_s=args.health_interval, fail_after=args.health_fail_after,
+                       drain_wait_s=args.health_drain_wait, nics=nics, memory_dir=args.memory_dir or _default_memory_dir())
+    build_checks(cfg)  # a ConfigError (exit 2) for a command that cannot run
+    return cfg
+
+
+def _default_memory_dir() -> str:
+    from tierckpt.config import DEFAULT_MEMORY_DIR
+
+    return DEFAULT_MEMORY_DIR
 
 
 def _agent_config(args: Namespace) -> Any:
@@ -279,7 +330,7 @@ def _options(args: Namespace) -> Any:
         api=ApiSettings(host=args.server_host, port=args.server_port),
         scripts=TrainScripts.from_args(pre=args.pre_train_script, pre_args=args.pre_train_args,
                                        post=args.post_train_script, post_args=args.post_train_args),
-        log_dir=_checkpointing_log_dir(args),
+        log_dir=_checkpointing_log_dir(args), health=_health(args),
     )
 
 

@@ -72,6 +72,14 @@ class Events:
         self.jobs_ended = reg.counter("tierckpt_run_jobs_ended_total",
                                       "Job incarnations this agent ended, by outcome (succeeded, failed, full_restart)",
                                       ("outcome",))
+        # the node health monitor (detect/healthwatch.py) and the drains it caused (supervisor/draining.py)
+        self.healthy = reg.gauge("tierckpt_run_node_healthy", "1 while this node's health checks pass, 0 while one "
+                                 "failed --health-fail-after rounds in a row")
+        self.health_failures = reg.counter("tierckpt_run_health_failures_total",
+                                           "Health checks that turned the node unhealthy, by check", ("check",))
+        self.drains = reg.counter("tierckpt_run_drains_total",
+                                  "Unhealthy nodes that left the job for a waiting spare (no fault, no restart counted)")
+        self.healthy.set(1)
         self._last_detection: float = 0.0  # the newest fault's detection latency (its downtime's first part)
         self.server: MetricsServer | None = None
         if metrics_port is not None:
@@ -135,6 +143,13 @@ class Events:
                 self._recovered(kind, float(fields["recovery_s"]))
         elif event == "recovered" and isinstance(fields.get("recovery_s"), (int, float)):
             self._recovered(str(fields.get("kind") or "process"), float(fields["recovery_s"]))
+        elif event == "health":
+            if isinstance(fields.get("healthy"), bool):
+                self.healthy.set(1 if fields["healthy"] else 0)
+            if fields.get("status") == "unhealthy":
+                self.health_failures.inc(check=str(fields.get("check")))
+        elif event == "drain" and fields.get("state") == "left":
+            self.drains.inc()
         elif event == "started":
             self.jobs_started.inc()
         elif event == "exit":

@@ -7,6 +7,7 @@ from typing import Any
 
 from tierckpt.launcher.agentapi import ApiSettings
 from tierckpt.launcher.decide.escalation import EscalationPolicy
+from tierckpt.launcher.detect.health import HealthConfig
 from tierckpt.launcher.detect.heartbeat import HeartbeatPolicy
 from tierckpt.launcher.jobspec import RunPolicy
 from tierckpt.launcher.membership.avoid import AvoidSettings
@@ -53,6 +54,9 @@ class RunOptions:
     scripts                                --pre-train-script/--post-train-script (workers/hooks.py)
     log_dir                                --checkpointing-log-dir: <dir>/<namespace>_checkpointing.log gets the
                                            agent's log records (None: no file)
+    health                                 the node health monitor: --health-check, --health-checks,
+                                           --health-interval, --no-health ... (detect/health.HealthConfig);
+                                           an unhealthy node leaves for a waiting spare (supervisor/draining.py)
     """
 
     namespace: str | None = None
@@ -75,3 +79,4 @@ class RunOptions:
     api: ApiSettings = field(default_factory=ApiSettings)
     scripts: TrainScripts = field(default_factory=TrainScripts)
     log_dir: str | None = None
+    health: HealthConfig = field(default_factory=HealthConfig)

@@ -24,6 +24,7 @@ PINNED = [
     (keys.FULL_RESTARTS, "tierckpt/run/full_restarts"),
     (keys.MEMBERSHIP_CHANGES, "tierckpt/run/membership_changes"),
     (keys.UNHEALTHY_BEFORE, "tierckpt/run/unhealthy_before"),
+    (keys.UNHEALTHY_NODES, "tierckpt/run/unhealthy-nodes"),
     (keys.fault(4), "tierckpt/run/fault/4"),
     (keys.fault_set(4), "tierckpt/run/fault/4/set"),
     (keys.stopped(4), "tierckpt/run/stopped/4"),

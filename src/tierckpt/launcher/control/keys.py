@@ -30,6 +30,8 @@ group rank; a counter is only ever ``add``ed, a claim is the first ``compare_set
         wait/<g>/<node>                    where the node's idle ranks wait: <rank>:<code>:<site>,...
         inproc-store/<g>                   host:port of the agent-hosted in-process store
         offenses                           the repeat offenders' faults (JSON), merged by compare_set
+        unhealthy-nodes                    nodes whose health checks fail: {identity: {detail, time}} (JSON),
+                                           merged by compare_set; kept out at restarts, avoided at full ones
         keep-out/<g>, keep-out/full/<g>    the agreed keep-out of g; the avoid list at a full restart
         machine/<identity>                 the scheduler's name of the node's machine
         avoid                              the avoid list of the last full job restart
@@ -60,6 +62,7 @@ from __future__ import annotations
 __all__ = [
     "AGENT_SECRET", "ARRIVALS", "AVOID", "FINISHED", "FIRST_SEAT_TICKETS", "FULL_RESTARTS", "GENERATION",
     "JOINED", "MEMBERSHIP_CHANGES", "NODES", "OFFENSES", "RANK_DECIDED", "RANK_MEMBERS", "SEATS", "SPARE_TICKETS", "STORE_HOST", "UNHEALTHY_BEFORE",
+    "UNHEALTHY_NODES",
     "agent", "beat", "busy", "counter_done", "done", "exited", "fault", "fault_set", "first_seat",
     "first_seat_beat", "first_seat_of", "inproc_store", "keep_out", "keep_out_full", "machine", "master",
     "offender_ticket", "persisted", "progress", "rank_claim", "rank_decided", "rank_known", "rank_known_count", "regroup", "regroup_round", "resume_bound",
@@ -74,6 +77,7 @@ MEMBERSHIP_CHANGES = _RUN + "membership_changes"
 UNHEALTHY_BEFORE = _RUN + "unhealthy_before"
 AGENT_SECRET = _RUN + "agent-secret"
 OFFENSES = _RUN + "offenses"
+UNHEALTHY_NODES = _RUN + "unhealthy-nodes"
 AVOID = _RUN + "avoid"
 STORE_HOST = _RUN + "store-host"
 NODES = _RUN + "nodes"

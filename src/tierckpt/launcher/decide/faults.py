@@ -36,6 +36,8 @@ class Reason(str, Enum):
     STARTUP_DEADLINE = "StartupDeadline"
     ACTIVE_DEADLINE = "ActiveDeadline"
     FAULT_DEADLINE = "FaultDeadline"
+    #: not a fault: an unhealthy node leaves for a waiting spare at a step boundary (supervisor/draining.py)
+    DRAIN = "Drain"
 
     def __str__(self) -> str:
         return self.value

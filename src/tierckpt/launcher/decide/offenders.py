@@ -7,7 +7,7 @@ so that every agent computes the same answer from the same history:
 - a fault is **attributed** to the node whose group rank its claim names (``node``; a lost node,
   the node of a crashed, hung or NaN rank), by that node's identity (``ranks.identity``:
   ``host:memory root``, the same key ``ranks.py`` claims ranks with), never to the agents that
-  only saw it; ``MembershipChange`` claims are not faults and are never attributed;
+  only saw it; ``MembershipChange`` and ``Drain`` claims are not faults and are never attributed;
 - a node is a **repeat offender** when at least ``threshold`` (2) attributed faults fall within
   ``window_s`` of the newest one (``restartPolicy.evalPeriodSeconds``, the window HyperPod
   uses for ``numRestartBeforeFullJobRestart``; no window: the whole history);
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierckpt.errors import ConfigError
+from tierckpt.launcher.decide.faults import Reason
 from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE
 
 __all__ = ["NodeFault", "OffenderPolicy", "attribute"]
@@ -56,7 +57,7 @@ def attribute(claims: Sequence[dict[str, Any]], members_at: Sequence[dict[int, s
     out = []
     for rec, members in zip(claims, members_at, strict=True):
         node = rec.get("node")
-        if rec.get("reason") == MEMBERSHIP_CHANGE or node is None or int(node) not in members:
+        if rec.get("reason") in (MEMBERSHIP_CHANGE, Reason.DRAIN.value) or node is None or int(node) not in members:
             continue
         out.append(NodeFault(members[int(node)], float(rec["time"])))
     return out

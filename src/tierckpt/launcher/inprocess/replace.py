@@ -42,7 +42,7 @@ JOIN_ENV = workerenv.INPROC_JOIN  # what supervisor/torch_agent.py sets on a rep
 
 REPLACE = "replace"  # the claim's kind, the restart event's kind
 # faults that change the processes or the membership: never in-process
-_PROCESS_FAULTS = frozenset({"Crash", "LostNode", "MembershipChange", "LostStore"})
+_PROCESS_FAULTS = frozenset({"Crash", "LostNode", "MembershipChange", "LostStore", "Drain"})
 
 
 class Route(str, enum.Enum):

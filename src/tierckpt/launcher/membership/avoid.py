@@ -30,6 +30,12 @@ the one the first agent published in the new store, ``agree_avoid``) waits at th
 an offender: it takes no first-round seat for ``AvoidSettings.wait_s`` (other nodes take them),
 then stands behind every other spare; a seat still free when that wait ends is its own.
 
+Nodes whose health checks fail (detect/healthwatch.py) are kept out the same way, before any
+offender and whether or not the offender policy is on: the node marks itself in
+``tierckpt/run/unhealthy-nodes`` (``mark_unhealthy``; ``clear_unhealthy`` when it passes again),
+``keep_out`` puts those identities first (as many as there are spares), and ``at_full_restart``
+puts them first in the avoid list. Their faults are not offenses (a drain is no fault).
+
 Call order (``TierckptAgent``):
 
     avoid = RepeatOffenders(OffenderPolicy.from_restart_policy(run_policy.restart_policy))
@@ -62,8 +68,8 @@ from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import peek
 from tierckpt.launcher.decide.offenders import NodeFault, OffenderPolicy, attribute
 
-__all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided",
-           "publish_machine", "write_avoid_file"]
+__all__ = ["Avoided", "AvoidSettings", "KeepOut", "RepeatOffenders", "agree_avoid", "avoided", "clear_unhealthy",
+           "mark_unhealthy", "publish_machine", "unhealthy_nodes", "write_avoid_file"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +130,7 @@ class KeepOut:
     ranks: tuple[int, ...] = ()
     identities: tuple[str, ...] = ()
     spares: int = 0
+    unhealthy: tuple[str, ...] = ()  # the identities kept out for failing health checks, not as offenders
 
     def __bool__(self) -> bool:
         return bool(self.ranks)
@@ -159,35 +166,44 @@ class RepeatOffenders:
         self.remembered = _merge(store, keys.OFFENSES, lambda cur: {**cur, **entry}) if entry else _read(store, keys.OFFENSES)
 
     def keep_out(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str], *,
-                 spares: int) -> KeepOut:
+                 spares: int, unhealthy: Sequence[str] = ()) -> KeepOut:
         """The group ranks (of ``members``) that the next round must do without; the same answer on
-        every agent. Records ``fault`` first (``record``; the same entry twice writes nothing)."""
-        if not self.enabled:
+        every agent. Records ``fault`` first (``record``; the same entry twice writes nothing).
+        ``unhealthy``: identities whose health checks fail (``unhealthy_nodes``): kept out before
+        any repeat offender, as many as there are spares, whether or not the offender policy is on."""
+        sick = [i for i in unhealthy if i in members.values()]
+        if not self.enabled and not sick:
             return KeepOut()
         self.record(store, generation, fault, members)
-        mine = json.dumps({"out": self.policy.exclude(self.faults(), spares=spares), "spares": spares}).encode()
+        offenders = [i for i in self.policy.exclude(self.faults(), spares=spares) if i not in sick]
+        out = (sick + offenders)[:max(0, spares)]
+        mine = json.dumps({"out": out, "spares": spares, "unhealthy": [i for i in out if i in sick]}).encode()
         agreed = json.loads(bytes(store.compare_set(keys.keep_out(generation), b"", mine)))
         ranks = tuple(sorted(rank for rank, ident in members.items() if ident in agreed["out"]))
-        return KeepOut(ranks, tuple(members[r] for r in ranks), int(agreed["spares"]))
+        return KeepOut(ranks, tuple(members[r] for r in ranks), int(agreed["spares"]),
+                       unhealthy=tuple(agreed.get("unhealthy") or ()))
 
     def at_full_restart(self, store: Any, generation: int) -> list[Avoided]:
         """The nodes the next start of the job avoids (``OffenderPolicy.avoid_at_full_restart`` on
-        the offenses in the store), the same on every agent: the first answer for ``generation``
-        wins. Called before the exit barrier, while the store is up; if it is gone, this agent's
-        own answer from the offenses it last read (``RuntimeError``: torch's ``DistError``)."""
-        if not self.enabled:
-            return []
+        the offenses in the store, after every node whose health checks fail: ``unhealthy_nodes``),
+        the same on every agent: the first answer for ``generation`` wins. Called before the exit
+        barrier, while the store is up; if it is gone, this agent's own answer from the offenses it
+        last read (``RuntimeError``: torch's ``DistError``)."""
         try:
+            sick = list(unhealthy_nodes(store))
+            if not self.enabled and not sick:
+                return []
             self.remembered = {**self.remembered, **_read(store, keys.OFFENSES)}
-            mine = self._avoided(lambda ident: _read_text(store, keys.machine(ident)))
+            mine = self._avoided(lambda ident: _read_text(store, keys.machine(ident)), sick)
             body = json.dumps([a.to_dict() for a in mine]).encode()
             return Avoided.parse(json.loads(bytes(store.compare_set(keys.keep_out_full(generation), b"", body))))
         except RuntimeError:
-            return self._avoided(lambda ident: None)
+            return self._avoided(lambda ident: None, []) if self.enabled else []
 
-    def _avoided(self, machine_of: Callable[[str], str | None]) -> list[Avoided]:
+    def _avoided(self, machine_of: Callable[[str], str | None], sick: Sequence[str]) -> list[Avoided]:
+        offenders = self.policy.avoid_at_full_restart(self.faults()) if self.enabled else []
         return [Avoided(ident, machine_of(ident) or ident.split(":", 1)[0], self.count(ident))
-                for ident in self.policy.avoid_at_full_restart(self.faults())]
+                for ident in [*sick, *(i for i in offenders if i not in sick)]]
 
     def faults(self) -> list[NodeFault]:
         """The attributed faults as last read, oldest first."""
@@ -202,6 +218,23 @@ class RepeatOffenders:
         newest = max(f.time for f in faults)
         window = self.policy.window_s
         return sum(1 for f in faults if f.identity == identity and (window is None or f.time >= newest - window))
+
+
+def mark_unhealthy(store: Any, identity: str, detail: str, now: float) -> None:
+    """This node's health checks fail (``detail``): the next restart keeps it out where a spare can
+    take its rank, a full job restart avoids it (one compare-and-set loop)."""
+    _merge(store, keys.UNHEALTHY_NODES, lambda cur: {**cur, identity: {"detail": detail, "time": now}}
+           if identity not in cur else cur)
+
+
+def clear_unhealthy(store: Any, identity: str) -> None:
+    """This node's health checks pass again."""
+    _merge(store, keys.UNHEALTHY_NODES, lambda cur: {k: v for k, v in cur.items() if k != identity})
+
+
+def unhealthy_nodes(store: Any) -> dict[str, dict[str, Any]]:
+    """The nodes whose health checks fail now, by identity, oldest first (one store read)."""
+    return dict(sorted(_read(store, keys.UNHEALTHY_NODES).items(), key=lambda kv: float(kv[1].get("time", 0))))
 
 
 def publish_machine(store: Any, identity: str, machine: str) -> None:

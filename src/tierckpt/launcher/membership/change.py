@@ -7,7 +7,7 @@ Pure functions and dataclasses, no I/O. Call order (the agent):
     change = Change(before=before, after=after)            # after the round
     if change: events.emit("membership", **change.to_event())
     ...on a fault claim:
-    history = restart_history(all_claims)                  # MembershipChange claims removed
+    history = restart_history(all_claims)                  # MembershipChange and Drain claims removed
     prior = prior_restarts(all_claims)                     # restarts before this incarnation
     plan = shrink(nnodes=..., lost=..., elastic=..., spares_waiting=...)   # regroup or rendezvous
 
@@ -23,12 +23,14 @@ from typing import Any
 
 from tierckpt.errors import ConfigError
 from tierckpt.launcher.decide.escalation import Fault, restarts_before
+from tierckpt.launcher.decide.faults import Reason
 
-__all__ = ["MEMBERSHIP_CHANGE", "Change", "Elastic", "Shrink", "missing_nodes", "prior_restarts", "restart_history",
+__all__ = ["DRAIN", "MEMBERSHIP_CHANGE", "Change", "Elastic", "Shrink", "missing_nodes", "prior_restarts", "restart_history",
            "shrink"]
 
 #: the claim reason of a node that arrived while the job runs below its maximum (not a fault)
 MEMBERSHIP_CHANGE = "MembershipChange"
+DRAIN = Reason.DRAIN.value  # not a fault either: no restart counted (supervisor/draining.py)
 
 
 @dataclass(frozen=True)
@@ -155,14 +157,15 @@ def missing_nodes(fault: dict[str, Any], nnodes: int, stopped: int) -> int:
     if fault.get("reason") == "LostNode":
         lost = fault.get("lost") or [fault.get("node")]
         return len({int(n) for n in lost if n is not None}) or 1
-    if fault.get("reason") == MEMBERSHIP_CHANGE:
+    if fault.get("reason") in (MEMBERSHIP_CHANGE, DRAIN):  # a drained node's seat is a kept-out one
         return 0
     return max(0, nnodes - stopped)
 
 
 def restart_history(history: Sequence[Fault]) -> list[Fault]:
-    """The faults that cost a restart: every claim but ``MembershipChange`` (a node arrived)."""
-    return [f for f in history if f.reason != MEMBERSHIP_CHANGE]
+    """The faults that cost a restart: every claim but ``MembershipChange`` (a node arrived) and
+    ``Drain`` (an unhealthy node left for a spare)."""
+    return [f for f in history if f.reason not in (MEMBERSHIP_CHANGE, DRAIN)]
 
 
 def prior_restarts(history: Sequence[Fault], membership_changes_before: int = 0) -> int:

@@ -39,6 +39,7 @@ from tierckpt.launcher.membership.avoid import (
     agree_avoid,
     avoided,
     publish_machine,
+    unhealthy_nodes,
     write_avoid_file,
 )
 from tierckpt.launcher.membership.change import MEMBERSHIP_CHANGE, Change, shrink
@@ -151,7 +152,7 @@ class Rounds:
         """After a rendezvous round: the offenses the state file kept, the last full restart's
         avoid list carried to this incarnation's state saves, this node's machine name published."""
         self.offenders.remember(job_store, offenses)
-        if not self.offenders.enabled:
+        if not self._avoiding:
             return
         self.avoid_next = [a.to_dict() for a in Avoided.parse(list(avoid))]
         publish_machine(job_store, ranks.identity(self.opts.memory_dir), self.opts.avoid.machine_name())
@@ -203,10 +204,13 @@ class Rounds:
         """The repeat offenders the next round does without (the same on every node), reported
         as ``offender`` events; the waiting spares take their ranks."""
         pol = self.offenders.policy
-        out = self.offenders.keep_out(store, g, fault, self.members, spares=spares_waiting(store))
+        out = self.offenders.keep_out(store, g, fault, self.members, spares=spares_waiting(store),
+                                      unhealthy=list(unhealthy_nodes(store)) if self.opts.health.enabled else ())
         for rank, ident in zip(out.ranks, out.identities, strict=True):
-            self.events.emit("offender", generation=g, node=rank, identity=ident, faults=self.offenders.count(ident),
-                             spares=out.spares, max_avoid=pol.max_avoid, window_s=pol.window_s)
+            if ident not in out.unhealthy:  # an unhealthy node's is a ``drain`` event (supervisor/draining.py)
+                self.events.emit("offender", generation=g, node=rank, identity=ident,
+                                 faults=self.offenders.count(ident), spares=out.spares, max_avoid=pol.max_avoid,
+                                 window_s=pol.window_s)
         return out
 
     def lost_nodes(self, fault: dict[str, Any], lost: Callable[[], list[int]] | None) -> list[int]:
@@ -273,17 +277,19 @@ class Rounds:
         the next start avoids (avoid.RepeatOffenders.at_full_restart, the same on every node), as
         ``offender`` events with ``at: "full_restart"``, the state file's ``avoid`` and the
         scheduler's hint file (``--avoid-file``)."""
-        if not self.offenders.enabled:
+        if not self._avoiding:
             return
         pol = self.offenders.policy
-        out = self.offenders.at_full_restart(store, g)
+        sick = unhealthy_nodes(store) if self.opts.health.enabled else {}
+        out = self.offenders.at_full_restart(store, g) if sick or self.offenders.enabled else []
         rank_of = {ident: rank for rank, ident in self.members.items()}
         for a in out:
+            why = f"its health checks fail ({sick[a.identity].get('detail')}): the next start avoids this node" \
+                if a.identity in sick else \
+                f"{a.faults} faults within evalPeriodSeconds {pol.window_s}: the next start avoids this node"
             self.events.emit("offender", generation=g, at="full_restart", node=rank_of.get(a.identity),
                              identity=a.identity, machine=a.machine, faults=a.faults,
-                             max_avoid=pol.max_avoid, window_s=pol.window_s,
-                             why=f"{a.faults} faults within evalPeriodSeconds {pol.window_s}: "
-                                 "the next start avoids this node")
+                             max_avoid=pol.max_avoid, window_s=pol.window_s, why=why)
         self.avoid_next = [a.to_dict() for a in out]
         path = self.opts.avoid.file
         if path is not None:
@@ -291,6 +297,11 @@ class Rounds:
                 write_avoid_file(path, out)
             except OSError as exc:  # the exit goes on; the scheduler gets no hint
                 self.events.emit("warning", generation=g, what=f"--avoid-file {path}: {exc}")
+
+    @property
+    def _avoiding(self) -> bool:
+        """Nodes may be avoided at a full job restart: repeat offenders, or unhealthy nodes."""
+        return self.offenders.enabled or self.opts.health.enabled
 
     def close(self) -> None:
         if self._seat_beat is not None:
@@ -303,7 +314,7 @@ class Rounds:
         """At this process's first spare gate: this node's entry in the avoid list of the last
         full job restart (its state file's, merged with the store's; avoid.py), reported as a
         ``spare`` event with ``state: "avoided"`` (written at once: the node holds no rank)."""
-        if self._avoid_checked or not self.offenders.enabled:
+        if self._avoid_checked or not self._avoiding:
             return None
         self._avoid_checked = True
         identity = ranks.identity(self.opts.memory_dir)
@@ -311,9 +322,10 @@ class Rounds:
         if me is not None:
             self.events.emit("spare", generation=generation, state="avoided", identity=identity,
                              machine=me.machine, faults=me.faults, wait_s=self.opts.avoid.wait_s,
-                             why=f"a repeat offender at the last full job restart ({me.faults} faults within "
-                                 f"evalPeriodSeconds {self.offenders.policy.window_s}): other nodes take the "
-                                 "seats first; it stands behind every other spare")
+                             why=(f"a repeat offender at the last full job restart ({me.faults} faults within "
+                                  f"evalPeriodSeconds {self.offenders.policy.window_s})" if me.faults else
+                                  "its health checks failed at the last full job restart")
+                             + ": other nodes take the seats first; it stands behind every other spare")
         return me
 
     def _avoid_ended(self, generation: int) -> None:

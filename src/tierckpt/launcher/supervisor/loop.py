@@ -20,6 +20,10 @@ Call order (one agent per node, all the same code):
      whose survivors are at least MIN regroups without a round (membership/rounds.py, ``Rounds.regroup``).
      A ``MembershipChange`` (a node arrived) restarts without counting a restart. A repeat
      offender (avoid.py) leaves for the spare gate at a process restart; a waiting spare takes its rank.
+  4. A node whose health checks fail (detect/healthwatch.py) with a spare waiting claims a ``Drain``
+     at its next step boundary (supervisor/draining.py): no fault, no restart counted; it stands aside
+     like a repeat offender and the spare takes its rank. With no spare it is reported and kept out
+     at the next restart where a spare can take its rank (a full job restart avoids it).
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ from tierckpt.launcher.inprocess.restarts import InProcessRestarts
 from tierckpt.launcher.membership import ranks
 from tierckpt.launcher.membership.avoid import KeepOut
 from tierckpt.launcher.membership.change import (
+    DRAIN,
     MEMBERSHIP_CHANGE,
     missing_nodes,
 )
@@ -67,6 +72,7 @@ from tierckpt.launcher.membership.spares import (
     publish_nodes,
 )
 from tierckpt.launcher.options import FULL_RESTART_EXIT, LAUNCHER_ERROR_EXIT, RunOptions
+from tierckpt.launcher.supervisor.draining import Drainer
 from tierckpt.launcher.supervisor.fidelity import Fidelity
 from tierckpt.launcher.supervisor.findings import Findings, View
 from tierckpt.launcher.supervisor.ledger import Ledger, fault_of
@@ -131,6 +137,8 @@ class Supervisor:
         self._inproc_store = StoreHost()  # group rank 0 hosts the workers' in-process store (replace.py)
         # the node agent: hosted, its peers discovered, prefetch and flush (dataplane/host.py)
         self._host = NodeAgentHost(opts.agent, self.events, across_hosts=opts.agent_across_hosts)
+        # the node health monitor and this node's side of a drain to a waiting spare (draining.py)
+        self.drainer = Drainer(opts, self.events, identity=ranks.identity(opts.memory_dir), replicated=self._replicated)
         # restart accounting and the state file (supervisor/ledger.py)
         self.ledger = Ledger(opts, lambda: self.wg.spec.rdzv_handler.get_run_id())
         self._store_addr: tuple[str, int] | None = None
@@ -318,6 +326,17 @@ class Supervisor:
                                                   all_beat=self.findings.all_beat))
         return self.findings.detect(result, view, self._liveness)
 
+    def _replicated(self) -> dict[str, int] | None:
+        """The hosted node agent's newest step replicated per own namespace (None: it does not replicate)."""
+        agent = self._host.agent
+        return agent.replicated_steps() if agent is not None and agent.config.replicas > 0 else None
+
+    def _drain_claim(self) -> dict[str, Any] | None:
+        """This node's ``Drain`` claim when it is unhealthy, a spare waits and a step boundary passed."""
+        return self.drainer.poll(self.ctl.store, generation=self.generation, node=self.node,
+                                 record=lambda reason, detail: self.findings.record(
+                                     reason, None, detail, since=None, generation=self.generation, node=self.node))
+
     # ---- the loop ----
     def _failed(self, exc: Exception) -> None:
         """The loop raised what nothing handles: stop the workers, persist, exit LAUNCHER_ERROR_EXIT."""
@@ -349,6 +368,7 @@ class Supervisor:
         spec = wg.spec
         if not self.opts.agent_across_hosts:
             self._host.start(self.generation, lambda: self.ctl.job_secret())
+        self.drainer.start(self.generation)  # health checks run from the start, at the spare gate too
         self.workers.start_pool(spec)
         try:
             self._join()
@@ -396,6 +416,8 @@ class Supervisor:
             claimed = self.ctl.claimed(self.generation) if claims is None or claims.due(self.generation) else None
             if claimed is None:
                 local = self._detect(result)
+                if local is None:  # a fault first; else an unhealthy node's drain at a step boundary
+                    local = self._drain_claim()
                 if local is None:  # nothing, or a symptom held for its cause (a peer's own claim is due first)
                     continue
                 claimed = self.ctl.claim(self.generation, self._tagged(local))
@@ -422,10 +444,11 @@ class Supervisor:
         g = self.generation
         self._watch_resume()  # the beats observed by the poll that found the fault count too
         self._recovering = None
-        self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
-                         detection_latency_s=fault.get("detection_latency_s"), **_kind(fault),
-                         **{k: fault[k] for k in ("symptom", "settle_s", "lost", "diagnosis") if k in fault},
-                         heartbeat_timeout_s=self._detectors.timeout())
+        if fault.get("reason") != DRAIN:  # a drain is no fault: its ``drain`` event follows the keep-out
+            self.events.emit("fault", generation=g, **{k: fault.get(k) for k in ("reason", "node", "rank", "detail", "step")},
+                             detection_latency_s=fault.get("detection_latency_s"), **_kind(fault),
+                             **{k: fault[k] for k in ("symptom", "settle_s", "lost", "diagnosis") if k in fault},
+                             heartbeat_timeout_s=self._detectors.timeout())
         if self._replace_alone(fault, g, t_detect):
             return None
         if self._inproc.handles(fault, self.node) and self._inproc.restart(  # a replace: from the claim's detection
@@ -441,8 +464,7 @@ class Supervisor:
         claims = [fault_of(r) for r in self.ctl.history(g)]
         self.ledger.count(claims)
         self.rounds.record(self.ctl.store, g, fault)  # by node identity (avoid.py)
-        decision = Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted") \
-            if fault.get("reason") == MEMBERSHIP_CHANGE else self.ledger.decide(claims, g)
+        decision = _not_a_fault(fault) or self.ledger.decide(claims, g)
         lost_now = self._lost_now()  # counted lost meanwhile (the fault itself may be a survivor's symptom)
         all_here = barrier_all(str(fault.get("reason")), lost_now) and \
             self.ctl.wait_stopped(g, self.nnodes, timeout=self.opts.node_timeout_s)
@@ -453,6 +475,8 @@ class Supervisor:
                                             resume.passed(self.ctl.store, g, self.nnodes),
                                             resume.lowest_non_finite(self.ctl.store, g))
         out = self.rounds.keep_out(self.ctl.store, g, fault) if all_here and decision.action == Action.RESTART else KeepOut()
+        if out.unhealthy or fault.get("reason") == DRAIN:
+            self.drainer.drained(fault, out, generation=g, store=self.ctl.store)  # ``drain`` events
         plan = after_stop(fault, decision, me=self.node, all_here=all_here, keep_out=out.ranks)  # decide/recovery.py
         if plan.step is Step.FINISH:
             return self._finish(decision, all_here)
@@ -664,12 +688,24 @@ class Supervisor:
         self.events.emit("exit", generation=self.generation, code=self.exit_code)
 
     def close(self) -> None:
+        self.drainer.close()
         self.rounds.close()
         self.workers.close()  # the reaper first: the workers were stopped already
         self._detectors.close()
         self._host.close()
         self.fidelity.close()
         self.events.close()
+
+def _not_a_fault(fault: dict[str, Any]) -> Decision | None:
+    """The restart of a claim that is no fault (a node joined, an unhealthy node left for a spare):
+    at once, counted nowhere; None for a fault (the escalation decides)."""
+    if fault.get("reason") == MEMBERSHIP_CHANGE:
+        return Decision(Action.RESTART, 0.0, "membership change: a node joined; no restart counted")
+    if fault.get("reason") == DRAIN:
+        return Decision(Action.RESTART, 0.0, f"drain: node {fault.get('node')} is unhealthy "
+                        f"({fault.get('detail')}); no restart counted")
+    return None
+
 
 def _kind(fault: dict[str, Any]) -> dict[str, Any]:
     """``{"kind": "replace"}`` for a crash tagged for a replacement alone, else nothing."""
