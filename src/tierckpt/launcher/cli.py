@@ -288,10 +288,15 @@ def _options(args: Namespace) -> Any:
 
     policy = RunPolicy()
     allowed: tuple[int, ...] = ()
+    scale_down_wait_s = 0.0
     if args.job:
         job = load_job_file(args.job)
         policy = job.run_policy
-        allowed = job.elastic_policy.allowed if job.elastic_policy is not None else ()
+        ep = job.elastic_policy
+        allowed = ep.allowed if ep is not None else ()
+        if ep is not None:
+            _elastic_timeouts(args, ep)
+            scale_down_wait_s = float(ep.faulty_scale_down_timeout_s or 0.0)
         if job.ignored_fields:
             log.warning("tierckpt run: job file fields not used by the launcher: %s", ", ".join(job.ignored_fields))
         args.nnodes = _job_nnodes(args.nnodes, job.elastic)
@@ -325,7 +330,7 @@ def _options(args: Namespace) -> Any:
         run_policy=policy, escalation=EscalationPolicy.from_run_policy(policy, **overrides),
         node_timeout_s=args.node_timeout, stop_grace_s=_stop_grace(args), agent=agent,
         agent_across_hosts=agent is not None and _agent_across_hosts(args, agent),
-        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes, allowed),
+        warm=_warm_policy(args), rdzv_endpoint=args.rdzv_endpoint or "", elastic=Elastic.parse(args.nnodes, allowed, scale_down_wait_s),
         avoid=AvoidSettings(file=args.avoid_file, wait_s=args.avoid_wait, machine=os.environ.get("TIERCKPT_NODE_NAME", "")),
         api=ApiSettings(host=args.server_host, port=args.server_port),
         scripts=TrainScripts.from_args(pre=args.pre_train_script, pre_args=args.pre_train_args,
@@ -336,6 +341,19 @@ def _options(args: Namespace) -> Any:
 
 #: hyperpodrun's --shutdown-timeout default (torchrun's own option, which tierckpt run's agent uses too)
 HYPERPOD_SHUTDOWN_TIMEOUT_S = 15.0
+
+
+def _elastic_timeouts(args: Namespace, ep: Any) -> None:
+    """The job file's ``elasticPolicy`` timeouts where the command line set nothing:
+    ``scalingTimeoutInSeconds`` is how long a round with MIN nodes waits for more (the rendezvous'
+    ``last_call_timeout``, both backends); ``gracefulShutdownTimeoutInSeconds`` is the workers'
+    SIGTERM grace when they are stopped (``--stop-grace``). ``faultyScaleDownTimeoutInSeconds`` is
+    ``Elastic.scale_down_wait_s`` (rounds.regroup)."""
+    given = {kv.split("=", 1)[0].strip() for kv in (args.rdzv_conf or "").split(",") if "=" in kv}
+    if ep.scaling_timeout_s is not None and "last_call_timeout" not in given:
+        args.rdzv_conf = ",".join(x for x in [args.rdzv_conf, f"last_call_timeout={ep.scaling_timeout_s:g}"] if x)
+    if ep.graceful_shutdown_timeout_s is not None and not args.stop_grace and args.shutdown_signal is None:
+        args.stop_grace = float(ep.graceful_shutdown_timeout_s)
 
 
 def _stop_grace(args: Namespace) -> float:

@@ -137,8 +137,10 @@ class ElasticPolicy:
 
     ``allowed`` is every node count from ``min_nodes`` to ``max_nodes`` that ``replicaDiscreteValues``
     lists, or that ``replicaIncrementStep`` reaches from ``min_nodes`` (every count without either);
-    a job never settles on another (docs/launcher.md, "Elastic membership"). The three timeouts are
-    kept as given; ``faulty_scale_down_timeout_s`` and ``graceful_shutdown_timeout_s`` are not acted on."""
+    a job never settles on another (docs/launcher.md, "Elastic membership"). The three timeouts:
+    ``scaling_timeout_s`` the rendezvous' last call, ``graceful_shutdown_timeout_s`` the workers'
+    SIGTERM grace, ``faulty_scale_down_timeout_s`` the wait for a replacement before a shrink
+    (launcher/cli.py ``_elastic_timeouts``), each where the command line set nothing."""
 
     min_nodes: int
     max_nodes: int
@@ -446,11 +448,11 @@ def _parse_elastic(raw: Any, ignored: list[str], replica_max: int | None) -> Ela
     """``spec.elasticPolicy``: ``minReplicas``/``maxReplicas`` become ``--nnodes MIN:MAX`` (one given:
     both the same; ``replicaSpecs[0].maxReplicas`` is MAX when the policy names none, and may not
     differ from it); ``replicaDiscreteValues`` or ``replicaIncrementStep`` (not both) narrow the node
-    counts; the timeouts are checked and kept (listed as unused); its other fields (Kubeflow's rendezvous settings) are listed as ignored."""
+    counts; the timeouts are checked and acted on (``ElasticPolicy``); its other fields (Kubeflow's
+    rendezvous settings) are listed as ignored."""
     where = "spec.elasticPolicy"
     m = _mapping(raw, where)
-    # the timeouts are read and checked, not acted on: listed with the unused fields
-    ignored.extend(f"{where}.{k}" for k in m if k not in _ELASTIC_USED[:4])
+    ignored.extend(f"{where}.{k}" for k in m if k not in _ELASTIC_USED)
     lo = _int(m["minReplicas"], f"{where}.minReplicas", minimum=1) if _present(m, "minReplicas") else None
     hi = _int(m["maxReplicas"], f"{where}.maxReplicas", minimum=1) if _present(m, "maxReplicas") else None
     if hi is not None and replica_max is not None and hi != replica_max:

@@ -27,9 +27,7 @@ def test_discrete_values_step_and_timeouts_are_read() -> None:
     el = job.elastic_policy
     assert job.elastic == (2, 8) and el.allowed == (2, 4, 8) and el.discrete_values == (2, 4, 8)
     assert (el.scaling_timeout_s, el.graceful_shutdown_timeout_s, el.faulty_scale_down_timeout_s) == (60.0, 30.0, 0.0)
-    # checked and kept, but not acted on: the warning lists them
-    assert set(job.ignored_fields) >= {"spec.elasticPolicy.scalingTimeoutInSeconds",
-                                       "spec.elasticPolicy.faultyScaleDownTimeoutInSeconds"}
+    assert job.ignored_fields == ()  # acted on (below), so no warning lists them
     assert _job({"minReplicas": 1, "maxReplicas": 8, "replicaIncrementStep": 3}).elastic_policy.allowed == (1, 4, 7)
     assert _job({"minReplicas": 2, "maxReplicas": 4}).elastic_policy.allowed == (2, 3, 4)
     assert _job({"minReplicas": 2}, replica_max=6).elastic == (2, 6)  # replicaSpecs[0].maxReplicas is MAX
@@ -71,3 +69,23 @@ def test_the_job_never_settles_on_a_forbidden_count() -> None:
     assert every.grows(1, 1) and shrink(nnodes=3, lost=[2], elastic=every, spares_waiting=0).survivors == (0, 1)
     with pytest.raises(ConfigError, match="ascending, from MIN"):
         Elastic(2, 4, (3, 4))
+
+
+def test_the_timeouts_become_the_last_call_the_stop_grace_and_the_scale_down_wait(tmp_path: Any) -> None:
+    """scalingTimeoutInSeconds → the rendezvous' last_call_timeout, gracefulShutdownTimeoutInSeconds
+    → the workers' SIGTERM grace, faultyScaleDownTimeoutInSeconds → Elastic.scale_down_wait_s; the
+    command line wins where it set one."""
+    from tierckpt.launcher.cli import _options, build_parser
+
+    path = tmp_path / "job.yaml"
+    path.write_text("kind: HyperPodPyTorchJob\nspec:\n  elasticPolicy:\n    minReplicas: 1\n    maxReplicas: 3\n"
+                    "    scalingTimeoutInSeconds: 7\n    gracefulShutdownTimeoutInSeconds: 4\n"
+                    "    faultyScaleDownTimeoutInSeconds: 12\n")
+    args = build_parser().parse_args(["--job", str(path), "--memory-dir", str(tmp_path / "m"), "train.py"])
+    opts = _options(args)
+    assert "last_call_timeout=7" in args.rdzv_conf and opts.stop_grace_s == 4.0
+    assert opts.elastic is not None and opts.elastic.scale_down_wait_s == 12.0
+    args = build_parser().parse_args(["--job", str(path), "--memory-dir", str(tmp_path / "m"), "--stop-grace", "1",
+                                      "--rdzv-conf", "last_call_timeout=2", "train.py"])
+    opts = _options(args)
+    assert args.rdzv_conf == "last_call_timeout=2" and opts.stop_grace_s == 1.0

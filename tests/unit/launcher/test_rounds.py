@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -195,3 +196,21 @@ def test_a_member_that_died_after_it_arrived_breaks_the_round_and_the_others_for
         warnings = [e for e in _events(tmp_path, f"n{i}") if e["event"] == "warning"]
         assert len(warnings) == 1 and "round broken" in warnings[0]["what"], warnings
         assert "joining the next round" in warnings[0]["what"]
+
+
+def test_the_survivors_wait_for_a_replacement_before_they_shrink(tmp_path: Path) -> None:
+    """faultyScaleDownTimeoutInSeconds (``Elastic.scale_down_wait_s``): node 2 of 3 is lost with no
+    spare waiting; a node that arrives within the wait takes its place through the round (no
+    regroup, a ``scale_down`` event ``replaced``); without one the survivors shrink at its end."""
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    fault = {"reason": "LostNode", "node": 2, "lost": [2]}
+    r = _rounds(tmp_path, "a", elastic=Elastic(1, 3, (), 0.6))
+    arrived = threading.Timer(0.3, lambda: box.append(1))
+    box: list[int] = []
+    arrived.start()
+    t0 = time.monotonic()
+    assert not r.regroup(fault, 4, ctl=JobControl(store), node=0, nnodes=3, waiting=lambda: len(box), lost=None,
+                         assign=lambda *_: pytest.fail("no regroup: the replacement takes the round"))
+    assert 0.3 <= time.monotonic() - t0 < 0.6 + 0.5
+    ev = [e for e in _events(tmp_path, "a") if e["event"] == "scale_down"]
+    assert ev and ev[0]["state"] == "replaced" and ev[0]["wait_s"] == 0.6, ev

@@ -71,11 +71,14 @@ class Change:
 @dataclass(frozen=True)
 class Elastic:
     """``--nnodes MIN:MAX`` (or the job file's ``elasticPolicy``): how many nodes the job may run on;
-    ``allowed`` narrows them (``replicaDiscreteValues``, ``replicaIncrementStep``; empty: every count)."""
+    ``allowed`` narrows them (``replicaDiscreteValues``, ``replicaIncrementStep``; empty: every count);
+    ``scale_down_wait_s``: how long the survivors of a lost node wait for a node to take its place
+    before they shrink the job (``faultyScaleDownTimeoutInSeconds``; 0: at once)."""
 
     min_nodes: int
     max_nodes: int
     allowed: tuple[int, ...] = ()
+    scale_down_wait_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
@@ -87,11 +90,11 @@ class Elastic:
                               f"to at most MAX ({self.max_nodes})")
 
     @classmethod
-    def parse(cls, nnodes: str, allowed: tuple[int, ...] = ()) -> Elastic:
+    def parse(cls, nnodes: str, allowed: tuple[int, ...] = (), scale_down_wait_s: float = 0.0) -> Elastic:
         """From torchrun's ``--nnodes`` (``N`` or ``MIN:MAX``) and the job file's allowed counts."""
         lo, _, hi = str(nnodes).partition(":")
         try:
-            return cls(int(lo), int(hi or lo), allowed)
+            return cls(int(lo), int(hi or lo), allowed, scale_down_wait_s)
         except ValueError:
             raise ConfigError(f"--nnodes {nnodes!r}: give N or MIN:MAX, e.g. --nnodes 2 or --nnodes 2:4") from None
 

@@ -227,19 +227,32 @@ class Rounds:
             time.sleep(0.05)
         return []
 
-    def regroup(self, fault: dict[str, Any], g: int, *, ctl: Any, node: int, nnodes: int, waiting: int,
-                lost: Callable[[], list[int]] | None,
+    def regroup(self, fault: dict[str, Any], g: int, *, ctl: Any, node: int, nnodes: int,
+                waiting: int | Callable[[], int], lost: Callable[[], list[int]] | None,
                 assign: Callable[[Any, int, int], None]) -> bool:
         """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
         membership through the store (``JobControl.regroup``), without a torch rendezvous round;
         False (use the round) when ``change.shrink`` says so or a survivor does not arrive.
-        ``waiting``: agents in torch's round now; ``assign(round_store, rank, world)`` gives the
-        workers their ranks (torch's own assignment) in the regrouped membership."""
+        ``waiting``: agents in torch's round now (or how to count them); with
+        ``Elastic.scale_down_wait_s`` the survivors first wait that long for a node to take the lost
+        one's place (a spare at the gate, a relaunched node in the round) and, when one comes, use
+        the round; ``assign(round_store, rank, world)`` gives the workers their ranks (torch's own
+        assignment) in the regrouped membership."""
         el = self.opts.elastic
         if el is None or not el.elastic or fault.get("reason") == MEMBERSHIP_CHANGE:
             return False
-        plan = shrink(nnodes=nnodes, lost=self.lost_nodes(fault, lost), elastic=el,
-                      spares_waiting=spares_waiting(ctl.store) + waiting)
+        count = waiting if callable(waiting) else (lambda: int(waiting))
+        lost_now = self.lost_nodes(fault, lost)
+        plan = shrink(nnodes=nnodes, lost=lost_now, elastic=el, spares_waiting=spares_waiting(ctl.store) + count())
+        if plan.regroup and el.scale_down_wait_s > 0:  # faultyScaleDownTimeoutInSeconds: a replacement first
+            deadline = time.monotonic() + el.scale_down_wait_s
+            while plan.regroup and time.monotonic() < deadline:
+                time.sleep(0.2)
+                plan = shrink(nnodes=nnodes, lost=lost_now, elastic=el,
+                              spares_waiting=spares_waiting(ctl.store) + count())
+            waited = round(el.scale_down_wait_s - max(0.0, deadline - time.monotonic()), 3)
+            self.events.emit("scale_down", generation=g, state="shrink" if plan.regroup else "replaced",
+                             waited_s=waited, wait_s=el.scale_down_wait_s)
         if plan.regroup and node in plan.surplus:  # elasticPolicy forbids the survivors' count: this one waits
             self.events.emit("spare", generation=g, state="surplus", identity=ranks.identity(self.opts.memory_dir),
                              keep=len(plan.survivors), why=plan.why)
