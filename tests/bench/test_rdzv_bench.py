@@ -9,7 +9,6 @@ import multiprocessing
 from pathlib import Path
 
 import matplotlib.image as mpimg  # a dev requirement, as for bench scale
-import pytest
 
 from tierckpt.bench import rdzv
 
@@ -29,8 +28,9 @@ def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() ->
     assert first["ranks_ok"] and not first["failed"]
     assert 0 <= first["s"] <= first["ranked_s"] < 10 and 0 <= first["spread_s"] < 10
     assert first["store_cpu"] >= 0 and first["sim_cpu"] >= 0
-    assert got["steady_at_max"]["ops_per_node_interval"] == 0  # at max_nodes the handler answers alone
-    assert got["steady_below_max"]["ops_per_node_interval"] == pytest.approx(1.0)  # one add per poll
+    # at max_nodes the handler answers alone, and beats the running job once a second (5 polls of 0.1 s here)
+    assert 0 < got["steady_at_max"]["ops_per_node_interval"] <= 0.25
+    assert 1.0 <= got["steady_below_max"]["ops_per_node_interval"] <= 1.25  # one add per poll, and the beat
     assert got["steady_below_max"]["intervals"] >= 2
     assert lost["handler_ranks_ok"] and not lost["failed"]
     assert lost["spare_holds_lost_rank"], "the survivors keep their ranks, the spare takes the lost one's"

@@ -254,14 +254,44 @@ def test_a_round_closes_only_on_an_allowed_count_and_the_rest_wait(server: Any) 
     assert sorted([got[member][1], got[waiting][0], got[2][0]]) == [(0, 3), (1, 3), (2, 3)], got
 
 
-def test_a_late_node_waits_for_the_running_job_to_re_form_or_be_gone(server: Any) -> None:
-    """min 1: a node arriving after round 0 closed leads round 1 but does not close it alone
-    while round 0's members may re-join (c10d keeps it in its wait list); after ``orphan_s``
-    without any, it closes (the last round's members are gone)."""
+def test_a_late_node_waits_while_the_running_job_beats_and_closes_once_it_is_gone(server: Any) -> None:
+    """min 1: a node arriving after round 0 closed leads round 1 but does not close it alone while
+    round 0's members run (their monitors poll ``num_nodes_waiting``, which beats the running job
+    once a second); when the beat stands still for ``orphan_s`` (every member gone) it closes. A
+    member that left the job (``leave``: a surplus node, a repeat offender) arrives as a newcomer
+    and does not stand for the running job."""
     hs = [_handler(server, min_nodes=1, max_nodes=3) for _ in range(2)]
     assert sorted(_all(hs)) == [(0, 2), (1, 2)]
-    late = _handler(server, min_nodes=1, max_nodes=3, orphan_s=2.0)
+    late = _handler(server, min_nodes=1, max_nodes=3, orphan_s=1.5)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(late.next_rendezvous()))
     t0 = time.monotonic()
-    info = late.next_rendezvous()
-    waited = time.monotonic() - t0
-    assert (info.rank, info.world_size) == (0, 1) and waited >= 2.0, waited
+    t.start()
+    while time.monotonic() - t0 < 4.0:  # the running job's monitors, for 4 s
+        for h in hs:
+            h.num_nodes_waiting()
+        time.sleep(0.1)
+    assert not got, "a round closed without the running job while it ran"
+    t.join(10)  # the monitors stopped: the job is gone
+    assert got and (got[0].rank, got[0].world_size) == (0, 1)
+    assert time.monotonic() - t0 >= 4.0 + 1.5 - 1.0  # the beat stood still ~orphan_s (a beat may be up to 1 s old)
+    # a member that left the job: no beat, and its arrival is no re-join
+    torch_rdzv.leave_round(hs[0])
+    assert hs[0].round is None and hs[0].num_nodes_waiting() == 0
+
+
+def test_after_a_regroup_below_max_the_nodes_waiting_are_counted(server: Any) -> None:
+    """A job of 3 (its max) regrouped to 1 without a round (change.shrink): ``num_nodes_waiting``
+    answered 0 from the stale size (at max) and the job never grew back; now it counts them."""
+    hs = [_handler(server, min_nodes=1, max_nodes=3) for _ in range(3)]
+    assert sorted(_all(hs)) == [(0, 3), (1, 3), (2, 3)]
+    assert hs[0].num_nodes_waiting() == 0  # at max: no store read
+    torch_rdzv.regrouped(hs[0], 1)
+    late = _handler(server, min_nodes=1, max_nodes=3, join_timeout_s=2.0)
+    t = threading.Thread(target=lambda: pytest.raises(RendezvousTimeoutError, late.next_rendezvous))
+    t.start()
+    deadline = time.monotonic() + 5
+    while hs[0].num_nodes_waiting() == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hs[0].num_nodes_waiting() == 1
+    t.join(10)

@@ -17,9 +17,11 @@ A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integ
     r<k>/who/<i>          arrival i's host name and pid
     r<k>/rejoined         arrivals that were members of an earlier round (``add``): round k ≥ 1 closes
                           only once one of them came (the running job re-forms), as c10d keeps a
-                          late node in its wait list until a participant re-joins; after
-                          ``orphan_s`` without one (every member of the last round gone, the store
-                          served from elsewhere) it closes all the same
+                          late node in its wait list until a participant re-joins
+    r<k>/running          the running job's beat: each member adds 1 at most once a second from
+                          ``num_nodes_waiting`` (its monitor polls it); a round k ≥ 1 whose beat
+                          stood still for ``orphan_s`` closes without a re-join (every member of the
+                          last round gone, the store served from elsewhere)
     r<k>/rank/<i>         arrival i's rank in the round, set by the leader (one multi_set) before ...
     r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members,
                           ranked by (host name, pid) as torch's c10d handler ranks its participants
@@ -41,13 +43,17 @@ Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
                         (the supervisor's Rounds then gives every node its old rank back);
                         i >= N: arrived after the close: join round k+1 (a node waiting there is
                         what ``num_nodes_waiting`` counts while the running round is below max)
-    num_nodes_waiting(): one ``add(r<k+1>/n, 0)``: nodes waiting for the next round (0 at max_nodes)
+    num_nodes_waiting(): one ``add(r<k+1>/n, 0)``: nodes waiting for the next round (0 at max_nodes),
+                        and at most once a second ``add(r<k+1>/running, 1)``
+    leave():            this node left the running job (a surplus or repeat offender standing by): its
+                        next arrival is a newcomer's
     set_closed() / shutdown(): set ``closed``; a node in next_rendezvous then raises
                         RendezvousClosedError
 
 Cost: a node's join is five store operations (get, add, set, wait, get); the leader polls one counter
 while the round fills (every ``poll_s``); a running job costs one ``add`` per node per poll of
-``num_nodes_waiting`` and nothing else (the liveness of nodes is the launcher's own, liveness.py).
+``num_nodes_waiting`` below max_nodes, and one ``add`` a second for its beat (the liveness of nodes
+is the launcher's own, liveness.py).
 A leader that dies before it closes the round stops beating; a node that sees its beat stand still
 for ``lead_stale_s`` takes the lead (``compare_set`` on r<k>/lead) and closes the round itself.
 """
@@ -84,8 +90,8 @@ class TierckptRendezvousHandler(RendezvousHandler):
     """One round on the job store per call of ``next_rendezvous``; see the module doc."""
 
     def __init__(self, store: Any, run_id: str, *, min_nodes: int, max_nodes: int,
-                 join_timeout_s: float = 600.0, last_call_s: float = 1.0, poll_s: float = 0.01,
-                 lead_stale_s: float = 3.0, orphan_s: float = 60.0) -> None:
+                 join_timeout_s: float = 600.0, last_call_s: float = 30.0, poll_s: float = 0.01,
+                 lead_stale_s: float = 3.0, orphan_s: float = 10.0) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"min_nodes {min_nodes} and max_nodes {max_nodes}: need 1 <= min <= max")
         self.store = store  # the job store (a TCPStore): JobControl, liveness and the rounds share it
@@ -104,6 +110,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
         self.round: int | None = None  # the round this node last joined as a member
         self.world: int | None = None
         self.arrived: tuple[int, int] | None = None  # (round, arrival index) while it waits in one
+        self._beat_at = 0.0  # the last beat of the running job (num_nodes_waiting)
 
     # ---- keys ----
     def _key(self, name: str) -> str:
@@ -137,10 +144,21 @@ class TierckptRendezvousHandler(RendezvousHandler):
         return True
 
     def num_nodes_waiting(self) -> int:
-        """Nodes that arrived for the next round while this one runs below ``max_nodes``."""
-        if self.round is None or (self.world is not None and self.world >= self.max_nodes):
+        """Nodes that arrived for the next round while this one runs below ``max_nodes``; the
+        running job's beat, at most once a second (a late node's round waits while it moves)."""
+        if self.round is None:
+            return 0
+        now = time.monotonic()
+        if now - self._beat_at >= 1.0:
+            self._beat_at = now
+            self.store.add(self._r(self.round + 1, "running"), 1)
+        if self.world is not None and self.world >= self.max_nodes:
             return 0
         return int(self.store.add(self._r(self.round + 1, "n"), 0))
+
+    def leave(self) -> None:
+        """This node left the running job: it beats no more, and its next arrival is a newcomer's."""
+        self.round, self.world = None, None
 
     def next_rendezvous(self) -> RendezvousInfo:
         deadline = time.monotonic() + self.join_timeout_s
@@ -208,14 +226,18 @@ class TierckptRendezvousHandler(RendezvousHandler):
         """Decide round k: wait for max_nodes, or for min_nodes and the last call; close it."""
         min_since: float | None = None
         beat = self._r(k, "beat")
-        started = time.monotonic()
-        rejoined = k == 0  # round 0 follows no round
+        rejoined = k == 0 or self.round is not None  # round 0 follows no round
+        running, running_at = -1, time.monotonic()
         while True:
             n = self._arrivals(k)
             now = time.monotonic()
-            if not rejoined:  # k ≥ 1: a late node waits for the running job to re-form (or to be gone)
-                rejoined = self.round is not None or int(self.store.add(self._r(k, "rejoined"), 0)) > 0 \
-                    or now - started >= self.orphan_s
+            if not rejoined and n >= self.min_nodes:  # k ≥ 1: the running job re-forms, or is gone
+                rejoined = int(self.store.add(self._r(k, "rejoined"), 0)) > 0
+                beats = int(self.store.add(self._r(k, "running"), 0))
+                if beats != running:
+                    running, running_at = beats, now
+                elif now - running_at >= self.orphan_s:
+                    rejoined = True  # nothing of the running job beat for orphan_s: it is gone
             if rejoined and n >= self.max_nodes:
                 break
             if rejoined and n >= self.min_nodes and self._floor(n) is not None:
@@ -279,9 +301,9 @@ def create_handler(params: RendezvousParameters) -> TierckptRendezvousHandler:
     return TierckptRendezvousHandler(
         store, params.run_id, min_nodes=params.min_nodes, max_nodes=params.max_nodes,
         join_timeout_s=float(params.get_as_int("join_timeout", 600) or 600),
-        last_call_s=float(params.get("last_call_timeout", 1.0)),
+        last_call_s=float(params.get("last_call_timeout", 30.0)),
         lead_stale_s=float(params.get("lead_stale_timeout", 3.0)),
-        orphan_s=float(params.get("orphan_timeout", 60.0)))
+        orphan_s=float(params.get("orphan_timeout", 10.0)))
 
 
 def handler_creator() -> Any:

@@ -229,7 +229,7 @@ class Rounds:
 
     def regroup(self, fault: dict[str, Any], g: int, *, ctl: Any, node: int, nnodes: int,
                 waiting: int | Callable[[], int], lost: Callable[[], list[int]] | None,
-                assign: Callable[[Any, int, int], None]) -> bool:
+                assign: Callable[[Any, int, int], None], handler: Any = None) -> bool:
         """An elastic job that lost nodes and keeps at least MIN: the survivors agree on the next
         membership through the store (``JobControl.regroup``), without a torch rendezvous round;
         False (use the round) when ``change.shrink`` says so or a survivor does not arrive.
@@ -254,6 +254,8 @@ class Rounds:
             self.events.emit("scale_down", generation=g, state="shrink" if plan.regroup else "replaced",
                              waited_s=waited, wait_s=el.scale_down_wait_s)
         if plan.regroup and node in plan.surplus:  # elasticPolicy forbids the survivors' count: this one waits
+            if handler is not None:
+                torch_rdzv.leave_round(handler)  # it waits in the next round as a newcomer, not the running job
             self.events.emit("spare", generation=g, state="surplus", identity=ranks.identity(self.opts.memory_dir),
                              keep=len(plan.survivors), why=plan.why)
         got = ctl.regroup(g, node, list(plan.survivors), timeout=self.opts.node_timeout_s) \
@@ -261,6 +263,8 @@ class Rounds:
         if got is None:
             return False
         rank, world = got
+        if handler is not None:
+            torch_rdzv.regrouped(handler, world)  # below MAX again: the nodes waiting count (growth)
         import torch.distributed as dist
 
         assign(dist.PrefixStore(keys.regroup_round(g), ctl.store), rank, world)  # type: ignore[attr-defined]

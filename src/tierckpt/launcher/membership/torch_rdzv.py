@@ -10,6 +10,8 @@ torch that renamed one loses a report or a shortcut, never the job).
     leave_round(handler)      take this agent out of torch's completed round (a repeat offender
                               standing aside): True when the others need not wait for its keep-alive
     narrow(handler, allowed)  the node counts a round may close with (ours; c10d cannot: False)
+    regrouped(handler, world) the running job regrouped without a round: ours counts the nodes
+                              waiting against the new size (below MAX again after a shrink)
 
 Pinned by ``tests/unit/launcher/test_torch_rdzv.py`` on this torch's c10d handler and on ours.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
 
-__all__ = ["joined", "leave_round", "max_nodes_of", "narrow", "standing_by", "store_of"]
+__all__ = ["joined", "leave_round", "max_nodes_of", "narrow", "regrouped", "standing_by", "store_of"]
 
 
 def store_of(handler: Any) -> Any | None:
@@ -38,6 +40,13 @@ def narrow(handler: Any, allowed: tuple[int, ...]) -> bool:
         handler.allowed = tuple(allowed)
         return True
     return False
+
+
+def regrouped(handler: Any, world: int) -> None:
+    """The running job now has ``world`` nodes, agreed without a round (change.shrink): ours
+    answers ``num_nodes_waiting`` against it; torch's c10d reads its own wait list."""
+    if isinstance(handler, TierckptRendezvousHandler) and handler.round is not None:
+        handler.world = world
 
 
 def max_nodes_of(handler: Any) -> int | None:
@@ -83,12 +92,14 @@ def standing_by(handler: Any) -> int | None:
 
 def leave_round(handler: Any) -> bool:
     """Take this agent out of the completed round so that the others' next round does not wait
-    for it. Ours: nothing to leave (a round holds no keep-alive; the next one counts who arrives).
+    for it. Ours: no keep-alive to stop; the agent's next arrival is a newcomer's, not a running
+    member's (which would let a round close without the running job, rdzv.py ``rejoined``).
     torch's c10d: stop the keep-alive beat and run the handler's own exit operation (what
     ``next_rendezvous`` runs first); False when a private part is missing (then only the
     keep-alive stops, if it can, and the others wait for its expiry,
     ``keep_alive_interval x keep_alive_max_attempt``)."""
     if isinstance(handler, TierckptRendezvousHandler):
+        handler.leave()  # its next round it joins as a newcomer (it re-forms no running job)
         return True
     stop = getattr(handler, "_stop_heartbeats", None)
     if not callable(stop):

@@ -246,7 +246,7 @@ class Supervisor:
             wg.store, wg.group_rank, wg.group_world_size = round_store, rank, world  # type: ignore[assignment]
 
         if not self.rounds.regroup(fault, g, ctl=self.ctl, node=self.node, nnodes=self.nnodes,
-                                   waiting=wg.spec.rdzv_handler.num_nodes_waiting,
+                                   waiting=wg.spec.rdzv_handler.num_nodes_waiting, handler=wg.spec.rdzv_handler,
                                    lost=self._liveness.lost if self._liveness is not None else None, assign=assign):
             return False
         self.generation = g + 1
