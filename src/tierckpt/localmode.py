@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
+from tierckpt._torch_compat import is_sharded_tensor
 from tierckpt.config import CheckpointConfig
 from tierckpt.dcp.agree import gather
 from tierckpt.errors import CheckpointNotFoundError, IntegrityError, NoUsableStepError, StorageError
@@ -33,7 +34,11 @@ __all__ = ["agree", "confirm", "localize", "write_back"]
 
 
 def localize(obj: Any) -> Any:
-    """The state dict with every DTensor replaced by its local shard (same storage)."""
+    """The state dict with every DTensor replaced by its local shard (same storage); a ShardedTensor
+    by its one local shard, or by the list of them when it has none or several on this rank."""
+    if is_sharded_tensor(obj):
+        shards = [s.tensor for s in obj.local_shards()]
+        return shards[0] if len(shards) == 1 else shards
     if isinstance(obj, DTensor):
         return obj.to_local()
     if isinstance(obj, Stateful) and not isinstance(obj, dict):

@@ -1,11 +1,12 @@
 """Taking a snapshot: one copy of a state dict's tensors into a shared-memory slot.
 
-The slot is laid out as the rank's data file will be: for each tensor (or DTensor local
-shard) a ``torch.save``-compatible record whose raw bytes the copy fills in place, so the
-commit later only links the slot into the step; nothing is copied twice and nothing is
-pickled. The layout is cached while the state dict's structure (keys, shapes, dtypes)
-stays the same. On CUDA the slot is registered as pinned memory once and device-to-host
-copies run on a side stream; ``Snapshot.wait_copied()`` returns when they have landed.
+The slot is laid out as the rank's data file will be: for each tensor (a DTensor's local
+shard, each local shard of a ShardedTensor) a ``torch.save``-compatible record whose raw
+bytes the copy fills in place, so the commit later only links the slot into the step;
+nothing is copied twice and nothing is pickled. The layout is cached while the state
+dict's structure (keys, shapes, dtypes) stays the same. On CUDA the slot is registered as
+pinned memory once and device-to-host copies run on a side stream;
+``Snapshot.wait_copied()`` returns when they have landed.
 
 An overlapped stage (``stage(..., copier=executor)``) lays out the slot, writes the record
 headers and deep-copies the non-tensor values on the caller's thread, then returns with the
@@ -21,6 +22,7 @@ Call order: ``Stager.stage(state_dict)`` (blocking part of a save) → ``Snapsho
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -28,16 +30,18 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
 
-from tierckpt._torch_compat import flatten_state_dict
-from tierckpt.errors import SnapshotChangedError, StorageError, TierckptError
+from tierckpt._torch_compat import flatten_state_dict, is_sharded_tensor, sharded_like
+from tierckpt.errors import SnapshotChangedError, StorageError, TierckptError, UnsaveableObjectError
 from tierckpt.layout import checksum
 from tierckpt.record import ALIGN, TensorRecord, tensor_record
 from tierckpt.staging import Slot
 
-__all__ = ["Snapshot", "Stager", "resolve_stateful"]
+__all__ = ["Snapshot", "Stager", "resolve_stateful", "shard_key"]
 
 _record = lru_cache(maxsize=8192)(tensor_record)
 
@@ -47,10 +51,14 @@ class Snapshot:
     """A state dict copied into ``slot``.
 
     state_dict  same structure as the original: plain tensors are views into the slot,
-                DTensors stay as they were (planning reads only their metadata), other
-                values are deep copies
-    views       flattened key → slot view holding that tensor's (local) data
-    offsets     flattened key → offset of that tensor's record in the slot
+                DTensors stay as they were (planning reads only their metadata),
+                ShardedTensors are rebuilt with the same global metadata around slot views
+                of their local shards, other values are deep copies
+    views       key → slot view holding that tensor's (local) data; the key is the flattened
+                key, or ``shard_key(key, offsets)`` for each local shard of a ShardedTensor
+                (and, in ``stage_items``, for every shard of a sharded tensor): ``key_of``
+                finds it from a DCP item's index
+    offsets     key → offset of that tensor's record in the slot
     """
 
     slot: Slot
@@ -63,6 +71,14 @@ class Snapshot:
     _copy: Future[None] | None = field(default=None, repr=False)  # CPU copy on a background thread
     _sums: dict[str, str] | None = field(default=None, repr=False)  # source checksums at the call
     step: int | None = None
+
+    def key_of(self, index: MetadataIndex) -> str | None:
+        """The key in ``views`` of the data DCP addresses as ``index``, or None when not staged."""
+        if index.offset is not None:
+            key = shard_key(index.fqn, index.offset)
+            if key in self.views:
+                return key
+        return index.fqn if index.fqn in self.views else None
 
     def wait_copied(self) -> None:
         """Block until the data is in the slot; raise what the copy raised, or a changed source."""
@@ -129,7 +145,7 @@ class Stager:
 
     def stage(self, state_dict: dict[str, Any], *, copier: Executor | None = None, checksums: bool = False,
               step: int | None = None) -> Snapshot:
-        """Copy a state dict's tensors (DTensors: their local shards); keep a shadow state dict.
+        """Copy a state dict's tensors (DTensors, ShardedTensors: their local shards); keep a shadow state dict.
 
         With ``copier`` the CPU data copy runs there and CUDA copies are not waited for:
         the caller must ``wait_copied()`` (or ``fence()``) before the tensors change.
@@ -147,8 +163,12 @@ class Stager:
         """Synchronous saves: copy the tensors of a DCP plan (as the planner resolves them)."""
         tensors: dict[str, torch.Tensor] = {}
         for item in items:
-            if item.tensor_data is not None and item.index.fqn not in tensors:
-                tensors[item.index.fqn] = planner.resolve_data(item)
+            if item.tensor_data is None:
+                continue
+            # a rank may hold several shards of one ShardedTensor: each has a key of its own
+            key = shard_key(item.index.fqn, item.index.offset) if item.type == WriteItemType.SHARD else item.index.fqn
+            if key not in tensors:
+                tensors[key] = planner.resolve_data(item)
         return self._take(tensors)
 
     def _take(self, tensors: dict[str, torch.Tensor], copier: Executor | None = None,
@@ -247,9 +267,30 @@ def _buffer(slot: Slot) -> torch.Tensor:
     return slot.buffer
 
 
+def shard_key(fqn: str, offsets: Sequence[int]) -> str:
+    """The snapshot key of the shard of ``fqn`` at ``offsets`` (``"model.w@[4, 0]"``)."""
+    return f"{fqn}@{[int(o) for o in offsets]}"
+
+
 def _local_tensors(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Flattened key → the tensor to copy: a DTensor's local shard, each local shard of a ShardedTensor."""
     flat, _ = flatten_state_dict(state_dict)
-    return {k: (v.to_local() if isinstance(v, DTensor) else v) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in flat.items():
+        if is_sharded_tensor(v):  # before Tensor: a ShardedTensor is one, and refuses most ops
+            for shard in v.local_shards():
+                if is_sharded_tensor(shard.tensor):
+                    raise UnsaveableObjectError(
+                        f"state dict key {k!r} holds a ShardedTensor nested in a ShardedTensor (FSDP's 2-D "
+                        "SHARDED_STATE_DICT), which tierckpt cannot stage; build FSDP with a device_mesh, "
+                        "so that its state dict holds DTensors", key=k,
+                    )
+                out[shard_key(k, shard.metadata.shard_offsets)] = shard.tensor
+        elif isinstance(v, DTensor):
+            out[k] = v.to_local()
+        elif isinstance(v, torch.Tensor):
+            out[k] = v
+    return out
 
 
 def _copy_cpu(tensors: dict[str, torch.Tensor], views: dict[str, torch.Tensor]) -> None:
@@ -295,6 +336,8 @@ def resolve_stateful(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 def _rebuild(obj: Any, prefix: str, views: dict[str, torch.Tensor]) -> Any:
     """The shadow state dict: same nesting as DCP flattens it, tensors swapped for slot views."""
+    if is_sharded_tensor(obj):
+        return sharded_like(obj, [views[shard_key(prefix, s.metadata.shard_offsets)] for s in obj.local_shards()])
     if isinstance(obj, DTensor):
         return obj
     if isinstance(obj, torch.Tensor):

@@ -152,15 +152,12 @@ def _fsdp1_rank(rank: int, checkpoint_id: str, memory_root: str, mesh: bool) -> 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [
     pytest.param(True, id="dtensor"),
-    pytest.param(False, id="sharded-tensor", marks=pytest.mark.xfail(
-        strict=True, raises=Exception,
-        reason="tierckpt's stager cannot copy a ShardedTensor yet (snapshot._take reads .is_cuda, which "
-               "ShardedTensor refuses): FSDP1 built without a device_mesh, as in seed 003, fails at async_save")),
+    pytest.param(False, id="sharded-tensor"),
 ])
 def test_fsdp1_sharded_state_dict_saves_and_loads_model_and_optimizer(tmp_path: Any, memory_root: str, mesh: bool) -> None:
     """Seed 003's sharded path with FSDP1 on CPU (``device_id=cpu``; gloo): with a ``device_mesh``
-    FSDP1's SHARDED_STATE_DICT holds DTensors and round-trips bitwise; without one it holds
-    ShardedTensors, which tierckpt does not stage yet (xfail, strict: it flips when fixed)."""
+    FSDP1's SHARDED_STATE_DICT holds DTensors, without one (as in seed 003) ShardedTensors: both
+    round-trip bitwise, model and optimizer."""
     checkpoint_id = str(tmp_path / "checkpoints" / "tp0_ep0")
     assert run_ranks(_fsdp1_rank, 2, checkpoint_id, memory_root, mesh, timeout=200) == [[True, True, True]] * 2
     assert os.path.exists(os.path.join(checkpoint_id, "step_0", "COMMITTED"))

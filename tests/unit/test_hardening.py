@@ -169,6 +169,32 @@ def test_private_torch_names_are_checked_and_the_torch_is_one_we_checked() -> No
     fb_flat, fb_mapping = _torch_compat._fallback_flatten(nested)
     assert list(flat) == list(fb_flat) and mapping == fb_mapping
     assert all(flat[k] is fb_flat[k] for k in flat)
+    assert _torch_compat.ShardedTensor is not None and _torch_compat._sharded_from_shards is not None
+
+
+def test_sharded_like_keeps_the_global_metadata_and_says_where_each_copy_is() -> None:
+    """A staged ShardedTensor: the original's global metadata, the copies as local shards; a copy on
+    another device than its placement (a CUDA shard's host copy; here meta → cpu) names its own."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+    from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+    from tierckpt import _torch_compat
+
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/meta", "rank:1/meta"])
+    metadata = spec.build_metadata(torch.Size([4, 3]), TensorProperties(dtype=torch.bfloat16))
+    local = Shard(torch.empty(2, 3, dtype=torch.bfloat16, device="meta"), metadata.shards_metadata[0])
+    original = ShardedTensorBase._init_from_local_shards_and_global_metadata([local], metadata, sharding_spec=spec)
+    copy = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    staged = _torch_compat.sharded_like(original, [copy])
+    assert _torch_compat.is_sharded_tensor(staged) and not _torch_compat.is_sharded_tensor(copy)
+    assert staged.metadata() == original.metadata() and staged.sharding_spec() == spec
+    [shard] = staged.local_shards()
+    assert shard.tensor is copy
+    assert shard.metadata == ShardMetadata([0, 0], [2, 3], "rank:0/cpu")
+    assert [str(m.placement) for m in staged.metadata().shards_metadata] == ["rank:0/meta", "rank:1/meta"]
 
 
 def test_no_assert_statements_in_library_code() -> None:

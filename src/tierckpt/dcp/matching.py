@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.tensor import DTensor
 
 from tierckpt import layout
-from tierckpt._torch_compat import flatten_state_dict
+from tierckpt._torch_compat import flatten_state_dict, is_sharded_tensor
 from tierckpt.errors import LoadMismatchWarning, StateDictMismatchError
 from tierckpt.observability import StepLogger
 from tierckpt.snapshot import resolve_stateful
@@ -79,7 +79,7 @@ def check_expected(state_dict: dict[str, Any], metadata: Metadata, step: int) ->
         if md is None:
             continue
         if isinstance(value, torch.Tensor):
-            shape = tuple(value.size()) if not isinstance(value, DTensor) else tuple(value.shape)
+            shape = _global_shape(value)
             if not isinstance(md, TensorStorageMetadata):
                 problems.append(f"{key}: the checkpoint holds an object, the state dict a tensor")
             elif tuple(md.size) != shape:
@@ -90,3 +90,10 @@ def check_expected(state_dict: dict[str, Any], metadata: Metadata, step: int) ->
         raise StateDictMismatchError(
             f"the state dict does not match step {step}: " + "; ".join(problems[:8]), step=step
         )
+
+
+def _global_shape(value: torch.Tensor) -> tuple[int, ...]:
+    """The shape a tensor has in the checkpoint: a DTensor's or ShardedTensor's global one."""
+    if is_sharded_tensor(value):  # from its metadata: a torch op on a ShardedTensor warns (deprecated)
+        return tuple(value.metadata().size)  # type: ignore[attr-defined]
+    return tuple(value.shape) if isinstance(value, DTensor) else tuple(value.size())

@@ -74,10 +74,10 @@ def spans_of(
             td = item.tensor_data
             if td is None:
                 raise ProtocolError(f"tensor item {item.index.fqn} has no tensor_data in the save plan")
-            view = snap.views.get(item.index.fqn)
-            if view is not None and tuple(view.shape) == tuple(td.chunk.sizes) and view.dtype == td.properties.dtype:
-                rec = snap.records[item.index.fqn]
-                spans.append((item, slot_name, snap.offsets[item.index.fqn], rec.length, rec.data_offset))
+            key = snap.key_of(item.index)
+            if key is not None and _holds(snap.views[key], td.chunk.sizes, td.properties.dtype):
+                rec = snap.records[key]
+                spans.append((item, slot_name, snap.offsets[key], rec.length, rec.data_offset))
                 continue
             src = cast(torch.Tensor, planner.resolve_data(item)).detach().contiguous().cpu()
             rec = _tensor_record(src.dtype, tuple(src.shape))
@@ -116,6 +116,11 @@ def durable_tier(rt: RankRuntime, step: int) -> Tier:
     if durable is None:
         raise ConfigError("a durable copy was asked for but the config has no durable_url", step=step)
     return durable
+
+
+def _holds(view: torch.Tensor, sizes: Sequence[int], dtype: torch.dtype) -> bool:
+    """Whether a staged view holds a planned chunk as it is (else the planner's tensor goes to extras)."""
+    return tuple(view.shape) == tuple(sizes) and view.dtype == dtype
 
 
 def _align(n: int) -> int:
