@@ -126,7 +126,8 @@ class Loader:
             try:
                 with warnings.catch_warnings(), quiet_dcp_fallback():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp_load(local_sd, storage_reader=reader, no_dist=True)
+                    dcp_load(local_sd, storage_reader=reader, no_dist=True,
+                             planner=_planner_for(state_dict, partial_ok=False))
             except CheckpointException as exc:
                 error = reader.failure or guard.typed(exc)
             if localmode.confirm(error is None, self.agree_group):
@@ -142,14 +143,17 @@ class Loader:
             excluded.add(chosen)
 
 
-def _planner_for(state_dict: dict[str, Any]) -> DefaultLoadPlanner | None:
+def _planner_for(state_dict: dict[str, Any], *, partial_ok: bool = True) -> DefaultLoadPlanner | None:
     """DCP's planner, told that a per-rank item may be absent (``layout.is_rank_item``): a rank of a
     larger world than the saving one has none, and its owner falls back (``tierckpt.data``). Every
     other key the checkpoint lacks is still an error (``matching.check_expected``). Top-level
     entries with a ``load_early`` method (``tierckpt.data.LoaderItem``) get it called as soon as
-    their entries were read (``EarlyPlanner``)."""
-    flat, _ = flatten_state_dict(resolve_stateful(state_dict))
+    their entries were read (``EarlyPlanner``). ``partial_ok=False`` (local mode: each rank reads
+    its own step) never allows a partial load."""
     early = {k: v for k, v in state_dict.items() if callable(getattr(v, "load_early", None))}
+    if not partial_ok:
+        return EarlyPlanner(early) if early else None
+    flat, _ = flatten_state_dict(resolve_stateful(state_dict))
     partial = any(layout.is_rank_item(k) for k in flat)
     if early:
         return EarlyPlanner(early, allow_partial_load=partial)

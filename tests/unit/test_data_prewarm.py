@@ -53,15 +53,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("local_mode", [False, True], ids=["global", "local"])
 def test_the_position_loads_before_the_tensors_and_the_workers_prefetch_meanwhile(
-        files: FileDataset, shm_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        files: FileDataset, shm_root: Path, monkeypatch: pytest.MonkeyPatch, local_mode: bool) -> None:
     def make() -> ResumableLoader:
         return ResumableLoader(files, batch_size=4, seed=5, rank=0, world_size=1, num_workers=2)
 
     want = _stream(make(), 14)
     loader = make()
     model = {f"w{i}": torch.full((64,), float(i)) for i in range(8)}
-    got = _stream_until_saved(loader, model, shm_root, saves=4)
+    got = _stream_until_saved(loader, model, shm_root, saves=4, local_mode=local_mode)
     again = make()
     again.start()  # a restarted process: workers forked ahead, before the load
     pids = again.worker_pids()
@@ -76,7 +77,7 @@ def test_the_position_loads_before_the_tensors_and_the_workers_prefetch_meanwhil
 
     monkeypatch.setattr(EarlyPlanner, "commit_tensor", watch)
     fresh = {k: torch.zeros(64) for k in model}
-    with Checkpointer(CheckpointConfig(namespace="early", memory_dir=str(shm_root))) as ck:
+    with Checkpointer(CheckpointConfig(namespace="early", memory_dir=str(shm_root), local_mode=local_mode)) as ck:
         assert ck.load({"model": fresh, "data": data}) == 4
     assert len(seen) == len(model) and all(e and p for e, p in seen), seen
     assert data.early and data.prefetched == "early" and data.restored == "exact"
@@ -87,9 +88,9 @@ def test_the_position_loads_before_the_tensors_and_the_workers_prefetch_meanwhil
 
 
 def _stream_until_saved(loader: ResumableLoader, model: dict[str, torch.Tensor], shm_root: Path, *,
-                        saves: int) -> list[torch.Tensor]:
+                        saves: int, local_mode: bool = False) -> list[torch.Tensor]:
     got = []
-    with Checkpointer(CheckpointConfig(namespace="early", memory_dir=str(shm_root))) as ck:
+    with Checkpointer(CheckpointConfig(namespace="early", memory_dir=str(shm_root), local_mode=local_mode)) as ck:
         stream = itertools.chain.from_iterable(iter(loader) for _ in itertools.count())
         for step in range(1, saves + 1):
             got += _batches(stream, 1)
