@@ -30,7 +30,7 @@ from tierckpt.observability import StepLogger
 from tierckpt.runtime import RankRuntime
 from tierckpt.snapshot import resolve_stateful
 
-__all__ = ["Loader", "quiet_dcp_fallback"]
+__all__ = ["EarlyPlanner", "Loader", "quiet_dcp_fallback"]
 
 
 class Loader:
@@ -126,7 +126,8 @@ class Loader:
             try:
                 with warnings.catch_warnings(), quiet_dcp_fallback():
                     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                    dcp_load(local_sd, storage_reader=reader, no_dist=True)
+                    dcp_load(local_sd, storage_reader=reader, no_dist=True,
+                             planner=_planner_for(state_dict, partial_ok=False))
             except CheckpointException as exc:
                 error = reader.failure or guard.typed(exc)
             if localmode.confirm(error is None, self.agree_group):
@@ -142,14 +143,64 @@ class Loader:
             excluded.add(chosen)
 
 
-def _planner_for(state_dict: dict[str, Any]) -> DefaultLoadPlanner | None:
+def _planner_for(state_dict: dict[str, Any], *, partial_ok: bool = True) -> DefaultLoadPlanner | None:
     """DCP's planner, told that a per-rank item may be absent (``layout.is_rank_item``): a rank of a
     larger world than the saving one has none, and its owner falls back (``tierckpt.data``). Every
-    other key the checkpoint lacks is still an error (``matching.check_expected``)."""
+    other key the checkpoint lacks is still an error (``matching.check_expected``). Top-level
+    entries with a ``load_early`` method (``tierckpt.data.LoaderItem``) get it called as soon as
+    their entries were read (``EarlyPlanner``). ``partial_ok=False`` (local mode: each rank reads
+    its own step) never allows a partial load."""
+    early = {k: v for k, v in state_dict.items() if callable(getattr(v, "load_early", None))}
+    if not partial_ok:
+        return EarlyPlanner(early) if early else None
     flat, _ = flatten_state_dict(resolve_stateful(state_dict))
-    if not any(layout.is_rank_item(k) for k in flat):
+    partial = any(layout.is_rank_item(k) for k in flat)
+    if early:
+        return EarlyPlanner(early, allow_partial_load=partial)
+    if not partial:
         return None
     return DefaultLoadPlanner(allow_partial_load=True)
+
+
+class EarlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that hands each early entry (a top-level key whose object has
+    ``load_early``) its entries the moment the last of them was read, before the rest of the
+    plan's reads finish (``dcp.items.ItemReader`` reads byte items first). DCP still calls the
+    object's ``load_state_dict`` with the same entries at the end.
+
+    Call order (DCP): ``set_up_planner`` → ``create_local_plan`` (which of the early entries'
+    fqns this rank reads) → ``load_bytes``/``commit_tensor`` per item (``load_early`` from there).
+    """
+
+    def __init__(self, early: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.early = early
+        self._waiting: dict[str, set[str]] = {}
+
+    def create_local_plan(self) -> Any:
+        plan = super().create_local_plan()
+        self._waiting = {}
+        for req in plan.items:
+            top = self._top(req.dest_index.fqn)
+            if top in self.early:
+                self._waiting.setdefault(top, set()).add(req.dest_index.fqn)
+        return plan
+
+    def _top(self, fqn: str) -> str:
+        path = self.mappings.get(fqn) if self.flatten_state_dict else None
+        return str(path[0]) if path else fqn.split(".", 1)[0]
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        super().load_bytes(read_item, value)
+        fqn = read_item.dest_index.fqn
+        top = self._top(fqn)
+        waiting = self._waiting.get(top)
+        if waiting is None or fqn not in waiting:
+            return
+        waiting.discard(fqn)
+        if not waiting:
+            del self._waiting[top]
+            self.early[top].load_early(self.original_state_dict[top])
 
 
 @contextlib.contextmanager

@@ -21,4 +21,5 @@ def test_the_data_bench_measures_every_kind_and_cleans_up(tmp_path: Path) -> Non
     assert set(out["median"]) == set(data.KINDS) and all(v > 0 for v in out["median"].values())
     assert all(len(v) == 2 for v in out["times"].values())
     assert out["ratio_ahead"] == out["median"]["ahead"] / out["median"]["plain"]
+    assert out["ratio_standby"] == out["median"]["standby"] / out["median"]["plain"]
     assert list(tmp_path.iterdir()) == [out_json]  # the sample files are gone

@@ -11,6 +11,10 @@ saved with the model. Fixed plans, a few faults each (the full random soak stays
 - ``process``: a SIGKILL, a lost node (an empty memory root: the position comes from the peer's
   replica) and a NaN restart the processes.
 
+Every launcher runs with ``--warm-loader tierckpt.demo.data:make_loader``: a restarted rank that a
+warm standby serves takes the loader the standby built ahead (its workers forked and warm), and
+every resume asks the workers for the position's batches during the load (``prefetched``).
+
 Asserted: every launcher exits 0, one fault reported per fault, every resume loaded a state saved
 at its step, and the final parameters and optimizer state equal a fault-free run's with the same
 loader, bit for bit. The control: with ``--no-data-restore`` (the position saved, never restored:
@@ -54,7 +58,9 @@ def _job(tmp: Path, shm: Any, samples: Path, *, inprocess: bool, restore: bool =
     train = ["--steps", str(STEPS), "--step-time", "0.1", "--optim", "adamw", "--inject-dir", str(inject),
              "--data", str(samples), "--data-workers", "2", "--batch-size", "8",
              *(["--inprocess"] if inprocess else []), *([] if restore else ["--no-data-restore"])]
-    return LocalJob(tmp, shm, train=train, node_timeout=10.0, max_restarts=50)
+    # the standbys build the demo's loader ahead: a rank started from one takes its workers warm
+    return LocalJob(tmp, shm, train=train, node_timeout=10.0, max_restarts=50,
+                    run_args=["--warm-loader", "tierckpt.demo.data:make_loader"])
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,14 @@ def test_a_soak_with_a_shuffled_multi_worker_loader_ends_bit_identical(
         print(f"  rank {r}: processes {len(pids)}; first batch after each start/resume (s): "
               + ", ".join(f"{e['batch_s']:.4f}" + (f" (inproc {e['inproc']})" if e.get("inproc") else "")
                           for e in firsts))
+    resumes = [e for r in (0, 1) for e in job.trace(r) if e["event"] == "resumed" and e["step"] is not None
+               and not e.get("inproc")]
+    print("  process starts that resumed: loader built ahead by a standby "
+          f"{sum(1 for e in resumes if e.get('loader_warm'))} of {len(resumes)}; prefetched "
+          + ", ".join(str(e.get("prefetched")) for e in resumes))
+    assert resumes and all(e.get("prefetched") for e in resumes), resumes  # the workers asked during the load
+    if mode == "process":  # restarted processes come from standbys that built the loader ahead
+        assert any(e.get("loader_warm") for e in resumes), resumes
     if mode == "resilient":  # the NaN and the hang kept the processes: their loaders were repositioned
         kept = [e for r in (0, 1) for e in job.trace(r) if e["event"] == "step" and "batch_s" in e
                 and (e.get("inproc") or 0) > 0]

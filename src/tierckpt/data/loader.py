@@ -28,6 +28,8 @@ inside ``next()`` (its worker queues may be mid-message), that ``iter`` builds a
 from __future__ import annotations
 
 import copy
+import functools
+import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,9 +46,35 @@ __all__ = ["ResumableLoader"]
 KIND = "tierckpt.ResumableLoader"
 
 
+class _Ahead:
+    """Whether loaders are being built ahead of their rank (``tierckpt.data.ahead.build``, in a
+    warm standby): a loader built with neither ``rank`` nor ``world_size`` then waits for ``bind``."""
+
+    building = False
+    close_fds: tuple[int, ...] = ()  # descriptors of the standby that its loader's workers close
+
+
+def _close_then(fds: tuple[int, ...], then: Callable[[int], None] | None, worker_id: int) -> None:
+    """A worker_init_fn (bound by ``functools.partial``: picklable) that closes ``fds`` (the
+    standby's socket to its agent: a worker holding it would hide the standby's end from the
+    agent) and then runs the user's."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if then is not None:
+        then(worker_id)
+
+
+_AHEAD = _Ahead()
+
+
 def _world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         return rank, world_size
+    if rank is None and world_size is None and _AHEAD.building:
+        return 0, 1  # built ahead by a warm standby: ``bind`` gives the rank at take-over
     if rank is None and world_size is None and dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     raise ConfigError("ResumableLoader needs rank= and world_size= (both) when it is built before "
@@ -80,6 +108,8 @@ class ResumableLoader:
         if not isinstance(replay_batches, int) or isinstance(replay_batches, bool) or replay_batches < 0:
             raise ConfigError(f"replay_batches must be an int >= 0, got {replay_batches!r}")
         r, w = _world(rank, world_size)
+        if _AHEAD.building and _AHEAD.close_fds:
+            worker_init_fn = functools.partial(_close_then, _AHEAD.close_fds, worker_init_fn)
         self.dataset = dataset
         self.batch_size = batch_size
         self.order = EpochOrder(length=len(dataset), seed=seed, shuffle=shuffle,  # type: ignore[arg-type]
@@ -94,6 +124,7 @@ class ResumableLoader:
         }
         self._seeds = torch.Generator()
         self._seeds.manual_seed(seed)
+        self.bound = not (rank is None and world_size is None and _AHEAD.building)
         self._loader = self._build()
         self._token = 0  # which iterator may deliver: a reposition retires the older ones
         self._interrupted = False  # an exception left the loader inside next(): its queues may be torn
@@ -164,10 +195,16 @@ class ResumableLoader:
         After a rollback of at most ``replay_batches`` batches (``load_state_dict`` of a position
         this loader delivered from, in the same epoch) the batches are delivered again from copies
         and the workers go on where they were: nothing is drained or loaded again."""
+        self._check_bound()
         self._token += 1
         if self._pending is not None and self._live is not None:
             replay, self._pending = self._pending, None
             return self._deliver(self._live, self._token, replay)
+        self._start_live()
+        return self._deliver(self._live, self._token, [])  # type: ignore[arg-type]
+
+    def _start_live(self) -> None:
+        """A fresh DataLoader iterator at the sampler's position: the workers are asked for its batches now."""
         self._pending = None
         if self._interrupted:
             self._loader = self._build()  # the old one's workers stop when it is collected
@@ -175,7 +212,44 @@ class ResumableLoader:
             self.rebuilds += 1
         self._history.clear()
         self._live, self._live_taken = iter(self._loader), self.sampler.taken
-        return self._deliver(self._live, self._token, [])
+
+    def _check_bound(self) -> None:
+        if not self.bound:
+            raise ConfigError("this ResumableLoader was built ahead of its rank (a warm standby): "
+                              "tierckpt.data.ahead(factory, ...) binds it; or call bind(rank, world_size)")
+
+    def prefetch(self, *, fork: bool = True) -> bool:
+        """Ask the workers for the batches of the current position now (``num_workers > 0``), so
+        that they load while the caller does something else (the rest of the state loads: a
+        ``tierckpt.data.item`` calls this as soon as its position arrived, before the model's
+        tensors). The next ``iter`` delivers from them. Nothing happens when the next ``iter`` is
+        served already: a rollback within the copies kept, or an iterator started at this
+        position. ``fork=False``: only when the workers run already (no fork while other threads
+        of this process are mid-read). Returns whether the workers were asked."""
+        if not self.bound or self._options["num_workers"] == 0:
+            return False
+        if not fork and (self._interrupted or getattr(self._loader, "_iterator", None) is None):
+            return False
+        if self._pending is not None and self._live is not None:
+            return False  # the copies kept and the live iterator serve the next iter
+        self._token += 1  # an iterator made before must not read from the restarted workers
+        self._start_live()
+        self._pending = []  # the next iter goes on with the live iterator: nothing to replay
+        return True
+
+    def bind(self, rank: int, world_size: int) -> None:
+        """Serve ``rank`` of ``world_size`` (a loader built ahead by a warm standby, or any other:
+        the position goes back to the start of the current epoch). The workers stay: they hold the
+        dataset, never the rank (the sampler, in this process, does)."""
+        self.sampler.rebind(rank=rank, world_size=world_size)  # the DataLoader's own sampler object
+        self._live, self._pending = None, None
+        self._token += 1
+        self.bound = True
+
+    def worker_pids(self) -> list[int]:
+        """The PIDs of the worker processes running now (none before the first ``iter``/``start``)."""
+        it = getattr(self._loader, "_iterator", None)
+        return [int(w.pid) for w in getattr(it, "_workers", []) if w.pid is not None]
 
     def _deliver(self, it: Iterator[Any], token: int, replay: list[Any]) -> Iterator[Any]:
         while True:

@@ -105,6 +105,15 @@ class ResumableSampler(Sampler[int]):
         self.base = 0  # where the current world started striding in this epoch's global order
         self.taken = 0  # samples of this rank's share consumed before the next iterator
 
+    def rebind(self, *, rank: int, world_size: int) -> None:
+        """Serve ``rank`` of ``world_size`` from now on, from the start of the current epoch."""
+        _check_int("world_size", world_size, 1)
+        _check_int("rank", rank, 0)
+        if rank >= world_size:
+            raise ConfigError(f"rank {rank} is not below world_size {world_size}")
+        self.rank, self.world_size = rank, world_size
+        self.seek(self.epoch, base=0, taken=0)
+
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch`` (from its first sample) unless it is the current one: a resumed loop that
         calls ``set_epoch`` with the epoch it resumed in keeps its position."""

@@ -83,7 +83,10 @@ class LoaderItem:
 
     ``rank``/``world_size``: the loader's own (``ResumableLoader``), else the default process
     group's, else give them. ``restored`` is what the latest ``load_state_dict`` did: ``"exact"``
-    (this rank's own position), ``"resharded"`` (from the world's position) or None.
+    (this rank's own position), ``"resharded"`` (from the world's position) or None; ``early``,
+    whether tierckpt's load applied it before the model's tensors (``load_early``); ``prefetched``,
+    when the latest load asked the workers for the position's first batches: ``"early"`` (while the
+    tensors loaded: the workers ran already), ``"at the end"`` (they were forked then) or None.
     """
 
     def __init__(self, loader: StatefulLoader, *, rank: int | None = None, world_size: int | None = None) -> None:
@@ -101,6 +104,8 @@ class LoaderItem:
         self.rank = rank
         self.world_size = world_size
         self.restored: str | None = None
+        self.early = False  # the latest load repositioned the loader before the model's tensors (load_early)
+        self.prefetched: str | None = None  # when a load asked the workers for the position's batches
 
     def _position(self, state: dict[str, Any]) -> dict[str, Any]:
         if isinstance(self.loader, ResumableLoader):
@@ -108,12 +113,18 @@ class LoaderItem:
         return {"kind": OPAQUE, "world_size": self.world_size}
 
     def state_dict(self) -> dict[str, Any]:
+        self.early, self.prefetched = False, None  # a load starts here too (DCP asks for the structure)
         state = loader_state(self.loader)
         return {"position": _pack(self._position(state)),
                 layout.rank_item_key(self.rank): _pack({"rank": self.rank, "world_size": self.world_size,
                                                         "state": state})}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Reposition the loader to the saved position (this rank's own, or resharded from the
+        world's), then ask its workers for the position's first batches (``prefetch``)."""
+        self._load(state_dict, fork=True)
+
+    def _load(self, state_dict: dict[str, Any], *, fork: bool) -> None:
         position = _unpack(state_dict["position"], "data position")
         saved_world = int(position.get("world_size", -1))
         if saved_world == self.world_size:  # every rank of that world saved its own item: take it
@@ -124,6 +135,7 @@ class LoaderItem:
                     field="rank", saved=own["rank"], current=self.rank, rank=self.rank)
             restore_loader(self.loader, own["state"])
             self.restored = "exact"
+            self._prefetch(fork)
             return
         if position.get("kind") != KIND or not isinstance(self.loader, ResumableLoader):
             raise LoaderStateMismatchError(
@@ -133,6 +145,20 @@ class LoaderItem:
                 field="world_size", saved=saved_world, current=self.world_size, rank=self.rank)
         restore_loader(self.loader, position)
         self.restored = "resharded"
+        self._prefetch(fork)
+
+    def _prefetch(self, fork: bool) -> None:
+        if isinstance(self.loader, ResumableLoader) and self.loader.prefetch(fork=fork):
+            self.prefetched = "at the end" if fork else "early"
+
+    def load_early(self, state_dict: dict[str, Any]) -> None:
+        """``load_state_dict`` as soon as this item's entries were read, before the rest of the
+        state (tierckpt's load calls it from the reading thread; DCP then calls
+        ``load_state_dict`` with the same entries at the end, which keeps what this started): the
+        loader is repositioned and its running workers start on the position's batches while the
+        model's tensors load. It forks no worker: ``load_state_dict`` does, at the end."""
+        self._load(state_dict, fork=False)
+        self.early = True
 
 
 def item(loader: StatefulLoader, *, rank: int | None = None, world_size: int | None = None) -> LoaderItem:

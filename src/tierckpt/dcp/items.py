@@ -72,7 +72,10 @@ class ItemReader:
         per_file: dict[str, list[ReadItem]] = {}
         for req in plan.items:
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
-        return sum(self._read_file(name, reqs, planner) for name, reqs in sorted(per_file.items()))
+        # files with byte items first, and in each file its byte items first: small objects (a
+        # data loader's position: tierckpt.data) reach the planner before the tensors load
+        order = sorted(per_file.items(), key=lambda kv: (not _has_bytes(kv[1]), kv[0]))
+        return sum(self._read_file(name, reqs, planner) for name, reqs in order)
 
     def _read_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> int:
         jobs = self._jobs(name, reqs, planner)
@@ -102,7 +105,7 @@ class ItemReader:
             jobs.setdefault(rec.offset, _Job(rec)).reqs.append((req, target))
         for job in jobs.values():
             job.direct = self._direct_bytes(job)
-        return sorted(jobs.values(), key=lambda j: j.rec.offset)
+        return sorted(jobs.values(), key=lambda j: (not _has_bytes(r for r, _ in j.reqs), j.rec.offset))
 
     def _direct_bytes(self, job: _Job) -> memoryview | None:
         """The target's bytes when the record's tensor can be read straight into it, else None."""
@@ -216,6 +219,10 @@ class ItemReader:
                 step=self.step,
             )
         target.copy_(tensor)
+
+
+def _has_bytes(reqs: Iterable[ReadItem]) -> bool:
+    return any(r.type == LoadItemType.BYTE_IO for r in reqs)
 
 
 def _chunk_shapes(metadata: Any) -> dict[MetadataIndex, tuple[torch.dtype, tuple[int, ...]]]:

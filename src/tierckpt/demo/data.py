@@ -5,28 +5,46 @@ Built once per process, before the process group (``start``: the workers fork th
 socket of the group, and warm up while the group forms and the state loads), so in-process restarts keep it and its workers; each generation's load
 repositions it. ``--no-data-restore`` saves the position but never restores it (every restart
 starts the data over at epoch 0: the control that shows a soak notices lost data state).
+
+``make_loader`` is the loader's factory (``tierckpt.data.ahead``): under ``tierckpt run
+--warm-loader tierckpt.demo.data:make_loader`` each warm standby builds it ahead from the demo's
+command line, so a restarted rank finds its workers forked and warm.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
-from tierckpt.data import ResumableLoader, item
+from tierckpt.data import ResumableLoader, ahead, item, prewarm
 from tierckpt.testing.files import FileDataset
 
 __all__ = ["DemoData"]
 
 
+def make_loader(rank: int | None, world_size: int | None) -> ResumableLoader:
+    """The demo's loader from its command line (``--data``, ``--batch-size``, ``--data-workers``);
+    rank and world_size None in a warm standby (``tierckpt.data.prewarm``)."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--data", required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--data-workers", type=int, default=2)
+    a, _ = p.parse_known_args(sys.argv[1:])
+    return ResumableLoader(FileDataset(a.data), batch_size=a.batch_size, seed=0, shuffle=True, rank=rank,
+                           world_size=world_size, num_workers=a.data_workers)
+
+
 class DemoData:
-    def __init__(self, directory: str, *, batch_size: int, workers: int, restore: bool) -> None:
-        # the process group does not exist yet (tierckpt.resilient makes it per generation)
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        self.loader = ResumableLoader(FileDataset(directory), batch_size=batch_size, seed=0, shuffle=True,
-                                      rank=rank, world_size=world, num_workers=workers)
-        self.loader.start()
+    def __init__(self, *, restore: bool) -> None:
+        # the process group does not exist yet (tierckpt.resilient makes it per generation): RANK, WORLD_SIZE
+        self.loader = ahead(make_loader, rank=int(os.environ.get("RANK", "0")),
+                            world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        report = prewarm.last()
+        self.warm = bool(report and report.warm)  # the loader a warm standby built ahead (traced)
         self.item = item(self.loader)
         self.restore = restore
 

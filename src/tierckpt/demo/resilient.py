@@ -204,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.data:  # built once, before the process group: in-process restarts keep it and its workers
         from tierckpt.demo.data import DemoData
 
-        data = DemoData(args.data, batch_size=args.batch_size, workers=args.data_workers,
-                        restore=not args.no_data_restore)
+        data = DemoData(restore=not args.no_data_restore)  # its loader from --data, --batch-size, --data-workers
     if args.inprocess:
         from tierckpt.inprocess import Generation, resilient
 
@@ -292,7 +291,8 @@ def _train(args: argparse.Namespace, model: Any, forward: Any, optim: Any, trace
             model.load_state_dict(state["model"])
             optim.load_state_dict(state["optim"])
         _trace(trace, "resumed", step=resumed, load_s=time.time() - t0, digest=_digest(model), inproc=inproc, world=world,
-               tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None)
+               tiers=(ck.last_load or {}).get("tiers") if resumed is not None else None,
+               **({"loader_warm": data.warm, "prefetched": data.item.prefetched} if data is not None else {}))
         first = True
         batches = data.batches() if data is not None else None
         for step in range((resumed or 0) + 1, args.steps + 1):

@@ -91,6 +91,11 @@ def build_parser() -> ArgumentParser:
     g.add_argument("--no-warm", action="store_true", help="every worker start is cold (same as --warm-workers 0)")
     g.add_argument("--warm-imports", default="",
                    help="comma-separated modules the standbys import ahead beside torch (e.g. the script's models)")
+    g.add_argument("--warm-loader", action="append", default=[], metavar="MODULE:FUNCTION",
+                   help="a data loader factory, FUNCTION(rank, world_size) -> tierckpt.data.ResumableLoader, that "
+                        "each standby calls (rank and world_size None, sys.argv the script's) and starts ahead: "
+                        "after a restart the script's tierckpt.data.ahead(FUNCTION) takes its loader, workers "
+                        "forked and warm (repeatable; docs/data.md)")
     g.add_argument("--avoid-file", default=os.environ.get("TIERCKPT_AVOID_FILE") or None,
                    help="at a full job restart, write the machines the next start should avoid (repeat "
                         "offenders), one a line, for the scheduler (default $TIERCKPT_AVOID_FILE)")
@@ -402,18 +407,23 @@ def _warm_policy(args: Namespace) -> Any:
     for name in imports:
         if not all(part.isidentifier() for part in name.split(".")):
             raise TierckptError(f"--warm-imports: {name!r} is not a module name (a.b.c, comma-separated)")
+    from tierckpt.data.prewarm import parse_spec
+
+    loaders = tuple(args.warm_loader)
+    for spec in loaders:
+        parse_spec(spec)  # ConfigError: not MODULE:FUNCTION
     if args.no_warm:
         return WarmPolicy(workers=0, imports=imports)
     if args.warm_workers == "auto":
         n = _local_workers(args.nproc_per_node)
-        return WarmPolicy(workers=n, spare=n, imports=imports)
+        return WarmPolicy(workers=n, spare=n, imports=imports, loaders=loaders)
     try:
         n = int(args.warm_workers)
     except ValueError:
         raise TierckptError(f"--warm-workers must be 'auto' or a count, got {args.warm_workers!r}") from None
     if n < 0:
         raise TierckptError(f"--warm-workers must be 0 or more, got {n}")
-    return WarmPolicy(workers=n, spare=n, imports=imports)
+    return WarmPolicy(workers=n, spare=n, imports=imports, loaders=loaders)
 
 
 def _local_workers(nproc: str) -> int:

@@ -70,8 +70,8 @@ def standby() -> Iterator[Callable[..., Standby]]:
     """Standby factory; each is retired (killed with its process group) after the test, pass or fail."""
     made: list[Standby] = []
 
-    def make(*args: Any) -> Standby:
-        made.append(Standby(*args))
+    def make(*args: Any, **kw: Any) -> Standby:
+        made.append(Standby(*args, **kw))
         return made[-1]
 
     yield make
@@ -161,9 +161,24 @@ def test_run_options(argv: list[str], workers: int, imports: tuple[str, ...]) ->
     assert _options(args).warm == WarmPolicy(workers=workers, spare=workers, imports=imports)
 
 
+def test_warm_loader_options_reach_the_standbys_with_the_scripts_argv() -> None:
+    from tierckpt.launcher.cli import _options, build_parser
+    from tierckpt.launcher.workers.warm import script_argv
+
+    args = build_parser().parse_args(["--warm-loader", "train:make_loader", "--warm-loader", "pkg.data:build",
+                                      "train.py", "--lr", "1"])
+    assert _options(args).warm.loaders == ("train:make_loader", "pkg.data:build")
+    assert script_argv(("-u", "train.py", "--lr", "1")) == ["train.py", "--lr", "1"]
+    assert script_argv(("-u", "-m", "pkg.train", "--lr", "1")) == ["pkg.train", "--lr", "1"]
+    pool = StandbyPool(WarmPolicy(workers=1, loaders=("train:make_loader",)), sys.executable, {},
+                       script_args=("-u", "train.py", "--data", "/d"))
+    assert json.loads(pool.loaders) == {"loaders": ["train:make_loader"], "argv": ["train.py", "--data", "/d"]}
+
+
 @pytest.mark.parametrize("argv, match", [(["--warm-workers", "many"], "--warm-workers must be 'auto' or a count"),
                                          (["--warm-workers", "-1"], "--warm-workers must be 0 or more"),
-                                         (["--warm-imports", "a b"], "'a b' is not a module name")])
+                                         (["--warm-imports", "a b"], "'a b' is not a module name"),
+                                         (["--warm-loader", "train.make_loader"], "MODULE:FUNCTION")])
 def test_bad_run_options(argv: list[str], match: str) -> None:
     from tierckpt.errors import TierckptError
     from tierckpt.launcher.cli import _options, build_parser
@@ -252,3 +267,107 @@ def test_a_failed_rank_leaves_the_others_running_and_is_replaced_alone(tmp_path:
         assert Path(ctx.stdouts[0]).read_text().split() == ["run", "first", "run", "again"], "appended, not truncated"
     finally:
         ctx.close()
+
+
+LOADER_FACTORY = """
+import sys
+from tierckpt.data import ResumableLoader
+from tierckpt.testing.files import FileDataset
+
+def make_loader(rank, world_size):
+    root = sys.argv[sys.argv.index("--data") + 1]
+    return ResumableLoader(FileDataset(root), batch_size=4, seed=3, rank=rank, world_size=world_size, num_workers=2)
+"""
+
+LOADER_SCRIPT = """
+import itertools, json, os, sys
+import tierckpt.data as td
+from loaderfactory import make_loader
+loader = td.ahead(make_loader)
+report = td.prewarm.last()
+pids = loader.worker_pids()
+batches = [x.numpy().tobytes().hex() + y.numpy().tobytes().hex() for x, y in itertools.islice(iter(loader), 5)]
+print(json.dumps({"warm": report.warm, "why": report.why, "pids": pids, "rank": loader.rank,
+                  "policies": sorted({os.sched_getscheduler(p) for p in pids}), "batches": batches}))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(FileNotFoundError):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    return out
+
+
+def _sockets(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:"):
+                out.add(link)
+    return out
+
+
+@pytest.mark.slow
+def test_a_standby_builds_the_data_loader_ahead_and_the_script_takes_it(
+        tmp_path: Path, standby: Callable[..., Standby]) -> None:
+    """``--warm-loader``: the standby (a spare, at SCHED_IDLE) builds the factory's loader with the
+    script's argv and forks its workers before the rank is known; the script's
+    ``tierckpt.data.ahead`` takes that loader bound to its rank (same worker processes, back at
+    SCHED_OTHER) and reads exactly the batches a loader built cold reads. The workers do not hold
+    the standby's socket to its agent."""
+    from tierckpt.data import ResumableLoader
+    from tierckpt.testing.files import FileDataset, write_samples
+
+    data = tmp_path / "samples"
+    write_samples(data, 40)
+    (tmp_path / "loaderfactory.py").write_text(LOADER_FACTORY)
+    script = tmp_path / "job.py"
+    script.write_text(LOADER_SCRIPT)
+    argv = [str(script), "--data", str(data)]
+    sb = standby(sys.executable, (), _env(tmp_path), idle=True, loaders=json.dumps({"loaders": ["loaderfactory:make_loader"], "argv": argv}))
+    _wait_ready(sb)
+    deadline = time.monotonic() + 30
+    while len(workers := _children(sb.pid)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(workers) == 2, workers
+    assert {_policy(w) for w in workers} == {os.SCHED_IDLE}  # forked by a spare: idle until it serves
+    agent_socket = {os.readlink(f"/proc/{sb.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{sb.pid}/fd")
+                    if os.readlink(f"/proc/{sb.pid}/fd/{fd}").startswith("socket:")}
+    while any(_sockets(w) & agent_socket for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the workers close it as they start (worker_init_fn)
+    assert not any(_sockets(w) & agent_socket for w in workers)
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        sb.hand_over(("-u", *argv), {**sb.env, "RANK": "1", "WORLD_SIZE": "2"}, fo.fileno(), fe.fileno())
+    assert sb.proc.wait(timeout=120) == 0, err.read_text()
+    got = json.loads(out.read_text().splitlines()[-1])
+    assert got["warm"] is True and got["rank"] == 1 and sorted(got["pids"]) == sorted(workers), got
+    assert got["policies"] == [os.SCHED_OTHER]
+    cold = ResumableLoader(FileDataset(data), batch_size=4, seed=3, rank=1, world_size=2)
+    want = [x.numpy().tobytes().hex() + y.numpy().tobytes().hex() for x, y in list(iter(cold))[:5]]
+    assert got["batches"] == want
+
+
+@pytest.mark.slow
+def test_a_warm_loader_factory_that_needs_the_rank_is_built_cold_by_the_script(
+        tmp_path: Path, standby: Callable[..., Standby]) -> None:
+    data = tmp_path / "samples"
+    from tierckpt.testing.files import write_samples
+
+    write_samples(data, 40)
+    (tmp_path / "loaderfactory.py").write_text(LOADER_FACTORY.replace("seed=3,", "seed=3 + rank % world_size,"))
+    script = tmp_path / "job.py"
+    script.write_text(LOADER_SCRIPT)
+    argv = [str(script), "--data", str(data)]
+    sb = standby(sys.executable, (), _env(tmp_path), loaders=json.dumps({"loaders": ["loaderfactory:make_loader"], "argv": argv}))
+    _wait_ready(sb)
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        sb.hand_over(("-u", *argv), {**sb.env, "RANK": "0", "WORLD_SIZE": "2"}, fo.fileno(), fe.fileno())
+    assert sb.proc.wait(timeout=120) == 0, err.read_text()
+    got = json.loads(out.read_text().splitlines()[-1])
+    assert got["warm"] is False and len(got["batches"]) == 5, got
+    assert "could not build it: loaderfactory:make_loader: TypeError" in got["why"], got

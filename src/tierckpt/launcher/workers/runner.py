@@ -125,7 +125,8 @@ class Workers:
         if self._warm.workers <= 0 or not isinstance(spec.entrypoint, str) or \
                 not warmable(spec.entrypoint, tuple(spec.args)):
             return
-        self.pool = StandbyPool(self._warm, spec.entrypoint, {**os.environ, **self.static_env()})
+        self.pool = StandbyPool(self._warm, spec.entrypoint, {**os.environ, **self.static_env()},
+                                script_args=tuple(spec.args))
         self.pool.fill()
 
     def start(self, wg: WorkerGroup, *, generation: int, addr: str, port: int, extra: dict[str, str],

@@ -2,12 +2,15 @@
 
 Started by the agent (``tierckpt.launcher.workers.warm.StandbyPool``) as
 
-    python -u -m tierckpt.launcher.workers.standby FD MODULE,MODULE... SPAWN_TIME
+    python -u -m tierckpt.launcher.workers.standby FD MODULE,MODULE... SPAWN_TIME [LOADERS_JSON]
 
 Call order (a spare is put at ``SCHED_IDLE`` by the agent as it is spawned, and back to
 ``SCHED_OTHER`` as a rank is handed to it): import torch, the modules the DDP constructor imports lazily, and the user's
 ``--warm-imports`` (a failing import is reported on stderr and skipped: the script will meet
-it again itself); ``gc.freeze()`` what they created; never touch CUDA; send ``R`` on the socket FD (ready); block until the agent
+it again itself); build the ``--warm-loader`` loaders (LOADERS_JSON: ``{"loaders": ["MOD:FN"],
+"argv": [script, args...]}``; ``tierckpt.data.prewarm.build``: their worker processes fork and
+warm up now, the script takes them with ``tierckpt.data.ahead``; a factory that fails is
+reported on stderr and skipped); ``gc.freeze()`` what they created; never touch CUDA; send ``R`` on the socket FD (ready); block until the agent
 hands over a rank: one SEQPACKET message, JSON ``{"env", "args", "cwd"}`` with the worker's
 stdout and stderr as SCM_RIGHTS descriptors. Then return every thread to ``SCHED_OTHER``, put those on fds 1 and 2, take the
 environment, cwd and argv, and run the script as ``__main__`` (``runpy``), exactly as
@@ -126,9 +129,30 @@ def set_idle(idle: bool, pid: int | None = None) -> None:
             return
 
 
+def _build_loaders(raw: str, fd: int) -> None:
+    """The ``--warm-loader`` loaders, built and started (their workers close ``fd``, the agent's
+    socket)."""
+    spec = json.loads(raw) if raw else {}
+    loaders = list(spec.get("loaders") or [])
+    if not loaders:
+        return
+    from tierckpt.data import prewarm
+
+    for problem in prewarm.build(loaders, argv=spec.get("argv"), close_fds=(fd,)):
+        print(f"tierckpt standby: warm loader not built ahead (the script builds it itself): {problem}",
+              file=sys.stderr, flush=True)
+
+
+def _loader_workers() -> list[int]:
+    prewarm = sys.modules.get("tierckpt.data.prewarm")
+    return list(prewarm.worker_pids()) if prewarm is not None else []
+
+
 def _take_over(job: dict[str, Any], fds: list[int]) -> None:
     """Become the worker: scheduling, descriptors, environment, cwd."""
     set_idle(False)
+    for pid in _loader_workers():  # forked at SCHED_IDLE: they serve the worker now
+        set_idle(False, pid)
     sys.stdout.flush()
     sys.stderr.flush()
     for target, fd in zip((1, 2), fds, strict=False):
@@ -159,6 +183,7 @@ def main() -> None:
     spawned = sys.argv[3] if len(sys.argv) > 3 else f"{time.time():.6f}"  # the agent's clock at spawn
     sock = socket.socket(fileno=fd)
     _warm_up(names)
+    _build_loaders(sys.argv[4] if len(sys.argv) > 4 else "", fd)
     # the imports' objects live as long as the process: keep them out of every collection,
     # including the one at exit (with torch._dynamo loaded it takes ~1.3-3 s at exit, here)
     gc.collect()
@@ -178,6 +203,9 @@ def main() -> None:
     if why is not None:
         env = {**os.environ, workerenv.WARM: "0"}
         print(f"tierckpt standby: cold start ({why})", file=sys.stderr, flush=True)
+        prewarm = sys.modules.get("tierckpt.data.prewarm")
+        if prewarm is not None:  # its workers would outlive the exec, waiting for a parent that is gone
+            prewarm.discard()
         os.execve(job["executable"], [job["executable"], *job["args"]], env)
     os.environ[workerenv.WARM] = "1"
     os.environ[workerenv.WARM_SINCE] = spawned

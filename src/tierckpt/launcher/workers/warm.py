@@ -54,10 +54,14 @@ class WarmPolicy:
               the replacements finished their imports) is served warm too; ``tierckpt run``
               keeps as many as ``workers``
     imports   modules imported beside torch and the DDP constructor's lazy imports
+    loaders   ``MODULE:FUNCTION`` data loader factories each standby builds and starts ahead
+              (``--warm-loader``; ``tierckpt.data.prewarm``): the script takes them with
+              ``tierckpt.data.ahead``
     """
 
     workers: int = 0
     imports: tuple[str, ...] = field(default_factory=tuple)
+    loaders: tuple[str, ...] = field(default_factory=tuple)
     spare: int = 0
 
 
@@ -73,6 +77,14 @@ def warmable(entrypoint: str, args: tuple[Any, ...]) -> bool:
     return not str(args[1]).startswith("-")
 
 
+def script_argv(args: tuple[Any, ...]) -> list[str]:
+    """``sys.argv`` of the script a ``warmable`` command line runs (``-u -m mod a b`` → ``[mod, a, b]``)."""
+    rest = [str(a) for a in args[1:]]
+    if rest[:1] == ["-m"]:
+        return rest[1:]
+    return rest
+
+
 def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES)}
 
@@ -80,7 +92,8 @@ def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
 class Standby:
     """One standby interpreter: its process (own session, like torch's workers) and socket."""
 
-    def __init__(self, executable: str, imports: tuple[str, ...], env: dict[str, str], *, idle: bool = False) -> None:
+    def __init__(self, executable: str, imports: tuple[str, ...], env: dict[str, str], *, idle: bool = False,
+                 loaders: str = "") -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.executable = executable
         self.env = env
@@ -89,7 +102,7 @@ class Standby:
         try:
             self.proc: subprocess.Popen[bytes] = subprocess.Popen(
                 [executable, "-u", "-m", "tierckpt.launcher.workers.standby", str(theirs.fileno()), ",".join(imports),
-                 f"{self.started:.6f}"],
+                 f"{self.started:.6f}", *([loaders] if loaders else [])],
                 env=env, pass_fds=(theirs.fileno(),), stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
@@ -157,10 +170,14 @@ def kill_if_standby(pid: int) -> None:
 class StandbyPool:
     """The standbys of one agent; see the module doc for the call order."""
 
-    def __init__(self, policy: WarmPolicy, executable: str, base_env: dict[str, str]) -> None:
+    def __init__(self, policy: WarmPolicy, executable: str, base_env: dict[str, str], *,
+                 script_args: tuple[Any, ...] = ()) -> None:
         self.policy = policy
         self.executable = executable
         self.base_env = base_env
+        # what the loader factories see as sys.argv: the script's command line (args: "-u", ["-m"], script, ...)
+        self.loaders = json.dumps({"loaders": list(policy.loaders), "argv": script_argv(script_args)}) \
+            if policy.loaders else ""
         self._idle: list[Standby] = []
         self._reported: set[int] = set()
         self.died: list[tuple[int, int | None]] = []  # (pid, exit code) of standbys dead before use
@@ -182,7 +199,8 @@ class StandbyPool:
         n = 0
         while len(self._idle) < self.target:
             low = idle or len(self._idle) >= self.policy.workers
-            self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env), idle=low))
+            self._idle.append(Standby(self.executable, self.policy.imports, dict(self.base_env), idle=low,
+                                      loaders=self.loaders))
             n += 1
         return n
 
