@@ -13,6 +13,9 @@
     TIERCKPT_WARM             workers/standby.py: "1" in a warm worker, "0" after a cold start in its place
     TIERCKPT_WARM_SINCE       workers/standby.py: when the warm worker's standby was spawned
 
+    --warm-loader MODULE:FUNCTION   launcher/cli.py checks it (split_loader_spec); a standby
+                                    runs the worker-side module PREWARM by name to build it
+
     $TIERCKPT_MONITOR_DIR/
         beat_<local rank>           heartbeats: monitor.py writes, the agent reads (heartbeat.read_beat)
         where_<local rank>          where an idle main thread waits: waitsample.py writes, procwatch.py reads
@@ -38,8 +41,10 @@ __all__ = [
     "RESUME_BEFORE",
     "WARM",
     "WARM_SINCE",
+    "PREWARM",
     "beat_file",
     "inproc_report",
+    "split_loader_spec",
     "where_file",
 ]
 
@@ -56,6 +61,17 @@ WARM = "TIERCKPT_WARM"
 WARM_SINCE = "TIERCKPT_WARM_SINCE"
 
 INPROC_REQUEST = "inproc_request"
+
+#: the worker-side module a warm standby runs by name for ``--warm-loader`` (``build``, ``worker_pids``, ``discard``)
+PREWARM = "tierckpt.data.prewarm"
+
+
+def split_loader_spec(spec: str) -> tuple[str, str] | None:
+    """``"pkg.mod:make_loader"`` → (module, function); None when ``spec`` is not of that form."""
+    mod, sep, fn = spec.partition(":")
+    if not sep or not all(p.isidentifier() for p in mod.split(".")) or not all(p.isidentifier() for p in fn.split(".")):
+        return None
+    return mod, fn
 
 
 def beat_file(local_rank: int) -> str:

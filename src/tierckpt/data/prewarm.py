@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierckpt import workerenv
 from tierckpt.data.loader import _AHEAD, ResumableLoader
 from tierckpt.errors import ConfigError
 
@@ -69,10 +70,10 @@ def last() -> AheadReport | None:
 
 def parse_spec(spec: str) -> tuple[str, str]:
     """``"pkg.mod:make_loader"`` → (module, function); a ConfigError for anything else."""
-    mod, sep, fn = spec.partition(":")
-    if not sep or not all(p.isidentifier() for p in mod.split(".")) or not all(p.isidentifier() for p in fn.split(".")):
+    parts = workerenv.split_loader_spec(spec)
+    if parts is None:
         raise ConfigError(f"--warm-loader wants MODULE:FUNCTION (e.g. train:make_loader), got {spec!r}")
-    return mod, fn
+    return parts
 
 
 def _key(fn: Any) -> tuple[str, str] | None:

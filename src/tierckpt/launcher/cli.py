@@ -22,6 +22,7 @@ from argparse import ArgumentParser, Namespace
 from collections.abc import Sequence
 from typing import Any
 
+from tierckpt import workerenv
 from tierckpt.errors import ConfigError, TierckptError
 
 __all__ = ["build_parser", "main"]
@@ -407,11 +408,10 @@ def _warm_policy(args: Namespace) -> Any:
     for name in imports:
         if not all(part.isidentifier() for part in name.split(".")):
             raise TierckptError(f"--warm-imports: {name!r} is not a module name (a.b.c, comma-separated)")
-    from tierckpt.data.prewarm import parse_spec
-
     loaders = tuple(args.warm_loader)
     for spec in loaders:
-        parse_spec(spec)  # ConfigError: not MODULE:FUNCTION
+        if workerenv.split_loader_spec(spec) is None:
+            raise ConfigError(f"--warm-loader wants MODULE:FUNCTION (e.g. train:make_loader), got {spec!r}")
     if args.no_warm:
         return WarmPolicy(workers=0, imports=imports)
     if args.warm_workers == "auto":

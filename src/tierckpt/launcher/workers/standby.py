@@ -136,15 +136,16 @@ def _build_loaders(raw: str, fd: int) -> None:
     loaders = list(spec.get("loaders") or [])
     if not loaders:
         return
-    from tierckpt.data import prewarm
-
+    # by name, as the user's modules: worker-side library code that runs in this interpreter, which
+    # becomes the worker (the launcher itself never uses the data pipeline)
+    prewarm: Any = importlib.import_module(workerenv.PREWARM)
     for problem in prewarm.build(loaders, argv=spec.get("argv"), close_fds=(fd,)):
         print(f"tierckpt standby: warm loader not built ahead (the script builds it itself): {problem}",
               file=sys.stderr, flush=True)
 
 
 def _loader_workers() -> list[int]:
-    prewarm = sys.modules.get("tierckpt.data.prewarm")
+    prewarm = sys.modules.get(workerenv.PREWARM)
     return list(prewarm.worker_pids()) if prewarm is not None else []
 
 
@@ -203,7 +204,7 @@ def main() -> None:
     if why is not None:
         env = {**os.environ, workerenv.WARM: "0"}
         print(f"tierckpt standby: cold start ({why})", file=sys.stderr, flush=True)
-        prewarm = sys.modules.get("tierckpt.data.prewarm")
+        prewarm = sys.modules.get(workerenv.PREWARM)
         if prewarm is not None:  # its workers would outlive the exec, waiting for a parent that is gone
             prewarm.discard()
         os.execve(job["executable"], [job["executable"], *job["args"]], env)
