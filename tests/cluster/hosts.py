@@ -5,6 +5,8 @@
     a.run(["ping", "-c1", b.ip])             # each host: own IP, hostname, /dev/shm, /proc
     proc = b.popen(["python", "-m", "x"], env=env, stdout=log)
     b.link(up=False); b.link(up=True)        # partition and heal
+    b.add_nic("eth1")                        # a second NIC on a fabric of its own (storage, RDMA)
+    b.nic_carrier("eth1", up=False)          # it loses carrier; eth0 carries on
     b.shape(delay_ms=20, loss_pct=1, rate_mbit=10)   # netem, or iptables + NFQUEUE (netfault.py)
     b.kill()                                 # hardware loss: every process, its tmpfs, its IP
     c = cluster.add_host()                   # the replacement: a new name and a new IP
@@ -12,14 +14,18 @@
 
 Layout: one network namespace ``<prefix>-br`` holds the bridge ``br0``; each host has a
 network namespace ``<prefix>-h<i>`` with ``eth0`` (``<subnet>.<i+1>/24``), the peer of
-``v<i>`` on the bridge. Nothing is added to the machine's own network namespace: the veth pairs
+``v<i>`` on the bridge. A NIC added with ``add_nic(name)`` is the peer of ``v<i>-<name>`` on a
+bridge of that name's own (``br-<name>``, made by the first host to add it: one fabric per NIC
+name), with ``<fabric subnet>.<i+1>/24``; it goes with the host's namespace, its bridge with the
+cluster's. Nothing is added to the machine's own network namespace: the veth pairs
 are created inside the bridge's namespace with their far end moved straight into the host's.
 The prefix and the /24 are drawn at random per ``Cluster``, so concurrent runs never share a
 name (each run's bridge is isolated anyway).
 
 A host's processes live under its init (``hostinit.py``, PID 1 of the host's PID namespace,
 started by ``nsenter --net=/run/netns/<ns> unshare ...``: unlike ``ip netns exec``
-it keeps the machine's ``/sys`` and its cgroup mounts, which ``slurmd`` wants); ``popen``/``run`` enter the host with ``nsenter``
+it keeps the machine's ``/sys`` and its cgroup mounts, which ``slurmd`` wants; ``hostinit`` binds
+the host's own ``/sys/class/net`` over it); ``popen``/``run`` enter the host with ``nsenter``
 on that init's namespaces. PIDs a host's processes report (``os.getpid()``) are the host's own:
 signal them with ``host.run(["kill", ...])``. Hosts resolve each other by name through the run's
 hosts file, bind-mounted on every host's ``/etc/hosts`` and appended to when a host is added.
@@ -98,6 +104,7 @@ class Cluster:
         self.hosts_file = workdir / "hosts"
         self.hosts_file.write_text("127.0.0.1 localhost\n")
         self.namespaces: list[str] = []
+        self.fabrics: dict[str, str] = {}  # NIC name -> the /24 of its bridge (add_nic)
         self._netem_missing: str | None = None  # "" once probed and found
         _ip("netns", "add", self.bridge_ns)
         self.namespaces.append(self.bridge_ns)
@@ -117,6 +124,16 @@ class Cluster:
             f.write(f"{host.ip} {host.name}\n")
         host.start()
         return host
+
+    def fabric(self, nic: str) -> str:
+        """The /24 of the bridge that every host's ``nic`` (``Host.add_nic``) plugs into; the
+        bridge ``br-<nic>`` is made on the first call."""
+        if nic not in self.fabrics:
+            subnet = f"10.{78 + len(self.fabrics)}.{random.randrange(256)}"  # 10.77 is eth0's
+            _ip("link", "add", f"br-{nic}", "type", "bridge", netns=self.bridge_ns)
+            _ip("link", "set", f"br-{nic}", "up", netns=self.bridge_ns)
+            self.fabrics[nic] = subnet
+        return self.fabrics[nic]
 
     def netem_missing(self) -> str | None:
         """Why ``tc netem`` cannot shape links here (None: it can); probed once per cluster."""
@@ -175,6 +192,7 @@ class Host:
         self.ip = ip
         self.netns = f"{cluster.prefix}-h{index}"
         self.bridge_port = f"v{index}"
+        self.ports = {"eth0": self.bridge_port}  # NIC -> its peer on a bridge (the cable's far end)
         self.unshare: subprocess.Popen[bytes] | None = None
         self.init_pid = 0
         self.procs: list[subprocess.Popen[Any]] = []
@@ -244,14 +262,15 @@ class Host:
 
     # ---- faults ----
     def kill(self) -> None:
-        """Hardware loss: the link goes down (nothing more leaves the host), then SIGKILL to the
+        """Hardware loss: the links go down (nothing more leaves the host), then SIGKILL to the
         host's init takes every process of its PID namespace; the
         mount namespace (and its /dev/shm tmpfs) goes with the last of them; the network namespace
         (its address and link) is deleted. Idempotent."""
         if self.init_pid and _alive(self.init_pid):
-            # the link first: a machine that loses power sends no FIN or RST for its sockets
+            # the links first: a machine that loses power sends no FIN or RST for its sockets
             if self.netns in self.cluster.namespaces:
-                self.link(up=False)
+                for nic in self.ports:
+                    self.nic_carrier(nic, up=False)
             os.kill(self.init_pid, signal.SIGKILL)
         for proc in [*([self.unshare] if self.unshare else []), *self.procs]:
             try:
@@ -268,7 +287,32 @@ class Host:
     def link(self, *, up: bool) -> None:
         """Partition (down) or heal (up) this host's link: its bridge port, so the host keeps its
         address and sees no carrier, as when a cable or a switch port goes."""
-        _ip("link", "set", self.bridge_port, "up" if up else "down", netns=self.cluster.bridge_ns)
+        self.nic_carrier("eth0", up=up)
+
+    def add_nic(self, name: str) -> str:
+        """A second NIC ``name`` (``eth1``: a storage or RDMA fabric's), up, on the bridge every
+        host's ``name`` shares (``Cluster.fabric``); its address. gloo and the rendezvous stay on
+        ``eth0``. Removed with the host's network namespace (``kill``, ``Cluster.close``)."""
+        if name in self.ports:
+            raise ValueError(f"{self.name} already has {name}")
+        c = self.cluster
+        port = f"v{self.index}-{name}"
+        if len(port) > 15:  # IFNAMSIZ
+            raise ValueError(f"NIC name {name!r} too long: its bridge port {port!r} exceeds 15 characters")
+        addr = f"{c.fabric(name)}.{self.index + 1}"
+        _ip("link", "add", port, "type", "veth", "peer", "name", name, "netns", self.netns, netns=c.bridge_ns)
+        self.ports[name] = port
+        _ip("link", "set", port, "master", f"br-{name}", netns=c.bridge_ns)
+        _ip("link", "set", port, "up", netns=c.bridge_ns)
+        _ip("addr", "add", f"{addr}/24", "dev", name, netns=self.netns)
+        _ip("link", "set", name, "up", netns=self.netns)
+        return addr
+
+    def nic_carrier(self, name: str, *, up: bool) -> None:
+        """Take the carrier of this host's NIC ``name`` away (``up=False``: its peer on the bridge
+        goes down, as when its cable or switch port goes; the host's end stays configured and reads
+        ``carrier`` 0, operstate ``down`` or ``lowerlayerdown``) or give it back."""
+        _ip("link", "set", self.ports[name], "up" if up else "down", netns=self.cluster.bridge_ns)
 
     def shape(self, *, delay_ms: float = 0, loss_pct: float = 0, rate_mbit: float | None = None,
               netem: bool | None = None) -> str:

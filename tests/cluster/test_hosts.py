@@ -86,6 +86,30 @@ def test_link_down_partitions_and_up_heals(cluster: Cluster) -> None:
     wait_for(lambda: _reach(a, b.ip, 5000, 1.0), 20, "the healed link carries again")
 
 
+def test_a_second_nic_loses_carrier_alone_and_the_host_reads_its_own_sysfs(cluster: Cluster) -> None:
+    a, b = cluster.add_host(), cluster.add_host()
+    a_addr, b_addr = a.add_nic("eth1"), b.add_nic("eth1")
+    assert a_addr.rsplit(".", 1)[0] == b_addr.rsplit(".", 1)[0] == cluster.fabrics["eth1"] != cluster.subnet
+    # the host's own interfaces in /sys/class/net (hostinit), as a launcher's nic health check reads them
+    assert sorted(b.run(["ls", "/sys/class/net"]).stdout.split()) == ["eth0", "eth1", "lo"]
+
+    def eth1() -> list[str]:  # carrier (unreadable while down: no carrier file), operstate, carrier_changes
+        return b.run(["sh", "-c", "cd /sys/class/net/eth1 && cat carrier operstate carrier_changes"],
+                     check=False).stdout.split()
+
+    up = wait_for(lambda: (got := eth1())[:2] == ["1", "up"] and got, 20, "b's eth1 has carrier")
+    _serve(b)
+    assert _reach(a, b_addr, 5000)
+    b.nic_carrier("eth1", up=False)
+    down = wait_for(lambda: (got := eth1())[:1] == ["0"] and got, 20, "b's eth1 lost carrier")
+    assert down[1] in ("down", "lowerlayerdown") and int(down[2]) > int(up[2]), (up, down)
+    assert not _reach(a, b_addr, 5000, 1.0)
+    assert _reach(a, b.ip, 5000)  # eth0 carries on
+    b.nic_carrier("eth1", up=True)
+    wait_for(lambda: eth1()[:2] == ["1", "up"], 20, "b's eth1 has carrier again")
+    wait_for(lambda: _reach(a, b_addr, 5000, 1.0), 20, "eth1 carries again")
+
+
 def _rtt(src: Host, ip: str) -> float:
     code = (f"import socket,time; s=socket.create_connection(({ip!r}, 5001)); t=time.perf_counter()\n"
             "for _ in range(5): s.sendall(b'x'); s.recv(1)\n"
@@ -250,6 +274,8 @@ def test_close_leaves_nothing(namespaces: None, tmp_path: os.PathLike[str]) -> N
 
     cluster = Cluster(Path(tmp_path) / "c")
     a, b = cluster.add_host(), cluster.add_host()
+    for host in (a, b):
+        host.add_nic("eth1")  # its veth pairs and bridge go too
     a.popen(["sleep", "600"])
     b.run(["sh", "-c", "setsid sleep 600 > /dev/null 2>&1 < /dev/null &"])
     pids = [a.init_pid, b.init_pid, *a.pids_started, *b.pids_started]
