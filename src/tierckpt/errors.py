@@ -32,6 +32,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AgentRunningError",
     "CheckpointFailedError",
     "CheckpointNotFoundError",
     "ConfigError",
@@ -182,6 +183,11 @@ class StorageError(TierckptError, OSError):
 
 class DurableWriteError(StorageError):
     """The durable copy failed; the memory copy of the same step is intact."""
+
+
+class AgentRunningError(StorageError):
+    """A node agent already serves this memory root (its ``.agent.sock`` answers); one root has
+    one agent. A launcher that finds one uses it instead of hosting its own."""
 
 
 class ProtocolError(TierckptError):

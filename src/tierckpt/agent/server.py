@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from tierckpt.agent import protocol as p
 from tierckpt.agent.tls import ServerTLS
 from tierckpt.agent.wire import Connection
+from tierckpt.errors import AgentRunningError
 from tierckpt.node.sock import short_path
 from tierckpt.observability import get_logger
 
@@ -258,8 +259,10 @@ class _LocalUnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServe
     idle_s: float
 
     def server_bind(self) -> None:
-        """Bind inside a fresh 0700 directory, make the socket 0600, then rename it into place:
-        no moment exists when others could connect (no process-wide umask change needed)."""
+        """Bind inside a fresh 0700 directory, make the socket 0600, then link it into place:
+        no moment exists when others could connect (no process-wide umask change needed). The
+        link fails if the name exists, so of two agents starting on one root at once exactly
+        one takes it (a rename would silently replace the other's socket)."""
         final = str(self.server_address)
         private = tempfile.mkdtemp(prefix=".agent-sock-", dir=os.path.dirname(final))
         try:
@@ -267,10 +270,37 @@ class _LocalUnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServe
             with short_path(path) as where:  # a deep memory root: beyond sun_path's 108 bytes
                 self.socket.bind(where)
             os.chmod(path, 0o600)
-            os.rename(path, final)
+            self.socket.listen(self.request_queue_size)  # before the name: a rival's probe must find it answering
+            for _ in range(3):
+                try:
+                    os.link(path, final)
+                    break
+                except FileExistsError:
+                    _clear_stale(Path(final))  # raises AgentRunningError if an agent answers there
+            else:
+                raise AgentRunningError(f"could not take {final}: it reappears as fast as it is removed")
+            os.unlink(path)
         finally:
+            try:
+                os.unlink(os.path.join(private, "s"))
+            except FileNotFoundError:
+                pass
             os.rmdir(private)
         self.server_address = final
+
+
+def _clear_stale(path: Path) -> None:
+    """Remove ``path`` if no agent answers on it (left by one that died); raise
+    ``AgentRunningError`` if one does."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with short_path(path) as where:
+            probe.connect(where)
+        raise AgentRunningError(f"an agent already serves {path.parent}; stop it first")
+    except (ConnectionRefusedError, FileNotFoundError):
+        path.unlink(missing_ok=True)
+    finally:
+        probe.close()
 
 
 class LocalServer:
@@ -279,15 +309,7 @@ class LocalServer:
     def __init__(self, path: Path, *, handle_local: LocalHandler, idle_s: float) -> None:
         self.path = path
         if path.exists():
-            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                with short_path(path) as where:
-                    probe.connect(where)
-                raise RuntimeError(f"an agent already serves {path.parent}; stop it first")
-            except (ConnectionRefusedError, FileNotFoundError):
-                path.unlink(missing_ok=True)  # left by an agent that died
-            finally:
-                probe.close()
+            _clear_stale(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.server = _LocalUnixServer(str(path), _LocalHandler)
         self.server.handle_local = handle_local

@@ -60,8 +60,12 @@ class Agent:
                                       insecure_wire=config.insecure_wire, handle_peer=self.handle_peer,
                                       rejected=self.metrics.rejected.inc)
         self.address = self.state.address = self.peer_server.address
-        self.local_server = LocalServer(Path(config.memory_dir) / layout.AGENT_SOCKET, handle_local=self.handle_local,
-                                        idle_s=config.limits.local_idle_s)
+        try:
+            self.local_server = LocalServer(Path(config.memory_dir) / layout.AGENT_SOCKET,
+                                            handle_local=self.handle_local, idle_s=config.limits.local_idle_s)
+        except BaseException:  # another agent serves this root (AgentRunningError): leave no listener behind
+            self.peer_server.close()
+            raise
         self._loop = threading.Thread(target=self._run, name="tierckpt-agent-loop", daemon=True)
         self._loop.start()
         _log.info("[Agent %s] serving %s on %s:%d (peers: %s, replicas: %d)", self.node_id, config.memory_dir,

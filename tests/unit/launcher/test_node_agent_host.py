@@ -75,3 +75,52 @@ def test_it_hosts_a_node_agent_unless_one_serves_the_memory_dir(tmp_path: Path) 
     assert first.agent is None
 
 
+
+
+def test_two_launchers_starting_at_once_on_one_memory_dir_host_one_agent(tmp_path: Path, monkeypatch) -> None:
+    """The race the shared-memory-dir scenario lost in CI: both launchers asked "does an agent
+    serve this dir?" before either had bound its socket, so both went on to host one, and the
+    second's socket found the first's and ended the launcher (exit 70). The probe is made to miss
+    here (patched to answer "no agent", what it answered a few milliseconds before the first
+    agent bound): the second launcher must then take the first's agent as its own, without error,
+    and leave no listener of its own behind."""
+    from tierckpt.agent import AgentConfig, start_agent
+    from tierckpt.errors import AgentRunningError, StorageError, TierckptError
+    from tierckpt.tiers import peer
+
+    cfg = AgentConfig(memory_dir=str(tmp_path / "mem"), listen=("127.0.0.1", 0))
+    events = tmp_path / "events.jsonl"
+    ev = Events(str(events), node=1)
+    first = start_agent(cfg)
+    second = NodeAgentHost(cfg, ev, across_hosts=False)
+    try:
+        before = {c.laddr.port for c in _listeners()}
+
+        def missed(*_a: object, **_k: object) -> None:
+            raise StorageError("no agent answers (yet)")
+
+        monkeypatch.setattr(peer, "local_request", missed)
+        second.start(0, lambda: b"unused")
+        assert second.agent is None
+        seen = [json.loads(line) for line in events.read_text().splitlines()]
+        assert [e["event"] for e in seen] == ["warning"], seen
+        assert "already serves" in seen[0]["what"]
+        assert {c.laddr.port for c in _listeners()} == before  # the second agent's peer port closed again
+        monkeypatch.undo()
+        assert peer.local_request(cfg.memory_dir, {"op": "status"}, timeout=2.0)  # the first one still serves
+        try:
+            start_agent(cfg)
+        except AgentRunningError as e:  # typed, under the one root
+            assert isinstance(e, TierckptError) and str(cfg.memory_dir) in str(e)
+        else:
+            raise AssertionError("a second agent on a served memory dir started")
+    finally:
+        second.close()
+        first.close()
+        ev.close()
+
+
+def _listeners() -> list:
+    import psutil
+
+    return [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]

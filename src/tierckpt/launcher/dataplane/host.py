@@ -56,20 +56,24 @@ class NodeAgentHost:
         cfg = self.config
         if cfg is None or self.agent is not None:
             return
-        from tierckpt.errors import StorageError
-        from tierckpt.tiers.peer import local_request
+        from tierckpt.errors import AgentRunningError, StorageError
+        from tierckpt.tiers import peer
 
+        served = f"a node agent already serves {cfg.memory_dir}; not hosting another"
         try:
-            local_request(cfg.memory_dir, {"op": "status"}, timeout=2.0)
-            self.events.emit("warning", generation=generation, what="a node agent already serves "
-                             f"{cfg.memory_dir}; not hosting another")
+            peer.local_request(cfg.memory_dir, {"op": "status"}, timeout=2.0)
+            self.events.emit("warning", generation=generation, what=served)
             return
         except StorageError:  # no agent answers: host one
             pass
         from tierckpt.agent import start_agent
 
         cfg = hosted_agent_config(cfg, across_hosts=self.across_hosts, job_secret=job_secret)
-        self.agent = start_agent(cfg)
+        try:
+            self.agent = start_agent(cfg)
+        except AgentRunningError:  # another launcher on this memory root bound it since the probe
+            self.events.emit("warning", generation=generation, what=served)
+            return
         self.events.emit("agent", generation=generation, address=list(self.agent.address),
                          node_id=self.agent.node_id, replicas=cfg.replicas)
 
