@@ -34,12 +34,13 @@ def test_of_listeners_started_at_once_on_one_root_exactly_one_serves(tmp_path: P
         won: list[LocalServer] = []
         lost: list[BaseException] = []
 
-        def start() -> None:
+        def start(gate: threading.Barrier = gate, won: list[LocalServer] = won,
+                  lost: list[BaseException] = lost) -> None:
             gate.wait()
             try:
                 won.append(LocalServer(path, handle_local=lambda *a: None, idle_s=1.0))  # type: ignore[arg-type,return-value]
-            except BaseException as e:  # noqa: BLE001 - the test names what it expects below
-                lost.append(e)
+            except BaseException as err:  # noqa: BLE001 - the test names what it expects below
+                lost.append(err)
 
         threads = [threading.Thread(target=start) for _ in range(4)]
         for t in threads:
