@@ -26,9 +26,11 @@ import resource
 import signal
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
+from tierckpt.launcher.membership.ranks import Claim, Decided, exchange_round
 from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
 from tierckpt.testing.storecount import Counter, CountingStore
 
@@ -49,6 +51,32 @@ class _Stamped(CountingStore):
         return got
 
 
+class _Known(Mapping[int, str]):
+    """A survivor's map of the last round, read only if it is used: the agent (membership/rounds.py)
+    reads each round's memberships once its rank is in use, off the round's critical path, in
+    parallel with every other node; one machine cannot play that for N agents, so here only the
+    survivor that publishes the map (the first with its digest, ranks.exchange_round) reads it,
+    and 4096 agents do not each hold a 4096-entry map."""
+
+    def __init__(self, decided: Decided) -> None:
+        self._decided = decided
+        self._map: Mapping[int, str] | None = None
+
+    def _read(self) -> Mapping[int, str]:
+        if self._map is None:
+            self._map = self._decided.memberships()[1]
+        return self._map
+
+    def __getitem__(self, key: int) -> str:
+        return self._read()[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())
+
+
 class _Agents:
     """This process's share of the agents: a handler each, and the group rank each holds."""
 
@@ -59,7 +87,7 @@ class _Agents:
         self.stores: dict[int, _Stamped] = {}
         self.handlers: dict[int, TierckptRendezvousHandler] = {}
         self.rank: dict[int, int] = {}  # group rank after the last round (the ranks exchange's, else the handler's)
-        self.members: dict[int, dict[int, str]] = {}  # each agent's view of the last round (the exchange's)
+        self.decided: dict[int, Decided] = {}  # each agent's view of the last round (the exchange's)
         for i in agents:
             with lock:  # one process connects at a time (scale_sim.py: parallel connects stall on this box)
                 client = dist.TCPStore("127.0.0.1", port, is_master=False,  # type: ignore[attr-defined]
@@ -90,20 +118,19 @@ class _Agents:
         return {"done": out, "failed": failed}
 
     def _agent(self, i: int, claims: bool) -> tuple[int, float, float, int, int, int, float]:
-        from tierckpt.launcher.membership.ranks import Claim, exchange_round
-
         info = self.handlers[i].next_rendezvous()
         returned = time.time()
         arrived = self.stores[i].arrived or returned
         rank, ranked = info.rank, returned
         if claims:
             prior = self.rank.get(i)
-            members = self.members.get(i) if prior is not None else None
-            rank, _, self.members[i] = exchange_round(
-                info.store, info.rank, info.world_size,
-                Claim(prior=prior, survivor=prior is not None, identity=f"sim{i:05d}:/dev/shm/tierckpt",
-                      members=members))
-            ranked = time.time()
+            last = self.decided.get(i) if prior is not None else None
+            got = exchange_round(info.store, info.rank, info.world_size,
+                                 Claim(prior=prior, survivor=last is not None, identity=f"sim{i:05d}:/dev/shm/tierckpt",
+                                       members=_Known(last) if last is not None else None,
+                                       digest=last.digest if last is not None else None))
+            rank, ranked = got.rank, time.time()
+            self.decided[i] = got
         self.rank[i] = rank
         return i, arrived, returned, info.rank, info.world_size, rank, ranked
 

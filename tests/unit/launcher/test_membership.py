@@ -62,8 +62,10 @@ def test_change_of_a_shrink_a_growth_and_of_nothing() -> None:
 def test_exchange_round_carries_the_survivors_view_of_the_last_round(store: Any) -> None:
     old = {0: "a", 1: "b"}
     store.set("tierckpt/rank-claim/1", Claim(prior=None, identity="c").to_json())  # the spare
-    rank, before, after = ranks.exchange_round(store, 0, 2, Claim(prior=0, survivor=True, identity="a", members=old))
-    assert (rank, before, after) == (0, old, {0: "a", 1: "c"})
+    got = ranks.exchange_round(store, 0, 2, Claim(prior=0, survivor=True, identity="a", members=old))
+    before, after = got.memberships()
+    assert (got.rank, before, after) == (0, old, {0: "a", 1: "c"})
+    assert got.digest == ranks.members_digest(after)  # the survivors' name for it in the next round
     assert Change(before=before, after=after).replaced == [{"node": 1, "left": "b", "by": "c"}]
 
 

@@ -295,3 +295,58 @@ def test_after_a_regroup_below_max_the_nodes_waiting_are_counted(server: Any) ->
         time.sleep(0.05)
     assert hs[0].num_nodes_waiting() == 1
     t.join(10)
+
+
+def test_a_big_round_wakes_its_members_rarely_and_its_close_wakes_them_at_once(server: Any) -> None:
+    """Only the first DEPUTIES arrivals after the leader look at its beat every second; the other
+    members block on the round's world key for about max_nodes / WAKES_PER_S (a round of 4096
+    members that woke every second outran torch's legacy store server); ``set_closed`` wakes them
+    at once, and the leader polls one counter while the round fills."""
+    from tierckpt.launcher.membership import rdzv
+    from tierckpt.testing.storecount import Counter, CountingStore
+
+    n = rdzv.DEPUTIES + 4
+    counters = [Counter() for _ in range(n)]
+    hs = [TierckptRendezvousHandler(CountingStore(_client(server), counters[i]), "big", min_nodes=640,
+                                    max_nodes=640, lead_stale_s=3.0) for i in range(n)]
+    assert hs[0]._watch_s(1) == 1.0 and 5.0 <= hs[0]._watch_s(rdzv.DEPUTIES + 1) <= 15.0
+    errs: list[Any] = [None] * n
+
+    def one(i: int) -> None:
+        try:
+            hs[i].next_rendezvous()
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            errs[i] = exc
+
+    threads = []
+    for i in range(n):  # one at a time: arrival i is handler i
+        threads.append(threading.Thread(target=one, args=(i,)))
+        threads[-1].start()
+        assert _wait_for(lambda i=i: hs[i].arrived is not None, 10)
+    start = [c.value for c in counters]
+    time.sleep(3.0)
+    ops = [c.value - s for c, s in zip(counters, start, strict=True)]
+    assert ops[0] <= 3.0 / 0.01 * 1.2, ops  # the leader: about one operation a poll (poll_s 0.01)
+    assert all(0 < o <= 4 * 5 for o in ops[1:rdzv.DEPUTIES + 1]), ops  # deputies: ~5 operations a second
+    assert all(o == 0 for o in ops[rdzv.DEPUTIES + 1:]), ops  # the others have not woken
+    t0 = time.monotonic()
+    hs[0].set_closed()
+    for t in threads:
+        t.join(10)
+    assert time.monotonic() - t0 < 2.0, "set_closed woke the waiting members"
+    assert all(isinstance(e, RendezvousClosedError) for e in errs), errs
+
+
+def test_two_members_that_find_the_leader_stale_make_one_leader(server: Any) -> None:
+    """Both deputies judge the dead leader stale at the same moment: the lead is taken from the
+    leader they saw (a compare-and-set), so only one of them leads (two leaders once made one's
+    ``wait`` return without its keys on torch's libuv server, and the round hung in a multi_get)."""
+    ghost = _client(server)
+    ghost.add("tierckpt/rdzv/job/r0/n", 1)  # arrival 0 (the leader) dies before it decides
+    hs = [_handler(server, min_nodes=2, max_nodes=3) for _ in range(2)]
+    led: list[int] = []
+    for h in hs:
+        real = h._lead
+        h._lead = lambda k, deadline, real=real: (led.append(k), real(k, deadline))[1]  # type: ignore[method-assign]
+    assert sorted(_all(hs)) == [(0, 3), (1, 3)]
+    assert led == [0], led

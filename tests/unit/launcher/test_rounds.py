@@ -214,3 +214,23 @@ def test_the_survivors_wait_for_a_replacement_before_they_shrink(tmp_path: Path)
     assert 0.3 <= time.monotonic() - t0 < 0.6 + 0.5
     ev = [e for e in _events(tmp_path, "a") if e["event"] == "scale_down"]
     assert ev and ev[0]["state"] == "replaced" and ev[0]["wait_s"] == 0.6, ev
+
+
+def test_assign_gives_the_rank_and_the_memberships_are_read_once_the_round_settled(tmp_path: Path) -> None:
+    """``assign`` returns the rank without reading the round's memberships (O(N) for a node that
+    was no survivor); ``settled`` reads them and reports the round as before; a survivor then
+    claims with the digest the decision gave, and ``members_known`` never reads the store."""
+    a, b = _rounds(tmp_path, "a"), _rounds(tmp_path, "b")
+    store = dist.HashStore()
+    first = _assign_all(dist.PrefixStore("r1/", store), [a, b], [0, 1])
+    assert first == [0, 1] and a.members_known == {} and a._decided is not None
+    for r, n in zip((a, b), first, strict=True):
+        r.settled(store, generation=0, node=n, nnodes=2, run_id="job", spare_since=None, via="rendezvous")
+    assert a.members_known == b.members == {0: ranks.identity(str(tmp_path / "a")), 1: ranks.identity(str(tmp_path / "b"))}
+    assert a._digest == ranks.members_digest(a.members)
+    c = _rounds(tmp_path, "c")  # b is lost, c takes its rank
+    _assign_all(dist.PrefixStore("r2/", store), [c, a], [0, 1])
+    got = a.settled(store, generation=1, node=0, nnodes=2, run_id="job", spare_since=None, via="rendezvous")
+    assert got.change.replaced == [{"node": 1, "left": ranks.identity(str(tmp_path / "b")),
+                                    "by": ranks.identity(str(tmp_path / "c"))}]
+    assert c.members == a.members  # c, a newcomer, read them on first use

@@ -52,9 +52,10 @@ On the store of one rendezvous round (torch's, prefixed per round):
     tierckpt/rank-claim/<torch rank>       an agent's rank claim (ranks.Claim, JSON; a survivor's map by digest)
     tierckpt/rank-known/<digest>           a survivor's map of the last round, published once (zlib JSON)
     tierckpt/rank-known/<digest>/n         survivors that knew that map (the first publishes it)
-    tierckpt/rank/<torch rank>             the group rank torch rank 0 decided for it
+    tierckpt/rank/<torch rank>             the group rank torch rank 0 decided for it (-1: the round broke)
     tierckpt/rank-members                  the last round's and this round's memberships (zlib JSON)
-    tierckpt/rank-decided                  the decision's difference from the survivors' map (JSON); set last
+    tierckpt/rank-decided                  the decision (JSON; set last): the new membership's digest, and its
+                                           difference from the survivors' map (none in a round without survivors)
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ the job store and agrees on one answer per generation):
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,7 @@ class NodeFault:
     time: float
 
 
-def attribute(claims: Sequence[dict[str, Any]], members_at: Sequence[dict[int, str]]) -> list[NodeFault]:
+def attribute(claims: Sequence[dict[str, Any]], members_at: Sequence[Mapping[int, str]]) -> list[NodeFault]:
     """The faults of ``claims`` (fault records, oldest first) attributed to node identities;
     ``members_at[i]`` is the membership (group rank -> identity) of ``claims[i]``'s generation.
     Claims without a node, membership changes and ranks unknown to the membership are skipped."""

@@ -58,7 +58,7 @@ import math
 import os
 import socket
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -155,7 +155,7 @@ class RepeatOffenders:
                  if isinstance(v, dict) and isinstance(v.get("identity"), str) and isinstance(v.get("time"), (int, float))}
         self.remembered = _merge(store, keys.OFFENSES, lambda cur: {**clean, **cur})
 
-    def record(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str]) -> None:
+    def record(self, store: Any, generation: int, fault: dict[str, Any], members: Mapping[int, str]) -> None:
         """Attribute ``fault`` (the claim of ``generation``) to its node's identity in ``members``
         (this round's rank -> identity) and merge it into the store; at every fault, whatever the
         decision, so that a full job restart keeps it (the state file saves ``remembered``)."""
@@ -165,7 +165,7 @@ class RepeatOffenders:
                  for f in attribute([fault], [members])}
         self.remembered = _merge(store, keys.OFFENSES, lambda cur: {**cur, **entry}) if entry else _read(store, keys.OFFENSES)
 
-    def keep_out(self, store: Any, generation: int, fault: dict[str, Any], members: dict[int, str], *,
+    def keep_out(self, store: Any, generation: int, fault: dict[str, Any], members: Mapping[int, str], *,
                  spares: int, unhealthy: Sequence[str] = ()) -> KeepOut:
         """The group ranks (of ``members``) that the next round must do without; the same answer on
         every agent. Records ``fault`` first (``record``; the same entry twice writes nothing).

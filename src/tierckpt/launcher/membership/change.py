@@ -3,7 +3,8 @@ and what a membership change costs (nothing: it is not a fault).
 
 Pure functions and dataclasses, no I/O. Call order (the agent):
 
-    rank, before, after = ranks.exchange_round(...)        # inside each torch rendezvous round
+    got = ranks.exchange_round(...)                        # inside each torch rendezvous round
+    before, after = got.memberships()                      # once the round formed (rounds.Rounds.settled)
     change = Change(before=before, after=after)            # after the round
     if change: events.emit("membership", **change.to_event())
     ...on a fault claim:
@@ -17,7 +18,7 @@ with the same memory root is the same node; a spare on another machine (or memor
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +38,8 @@ DRAIN = Reason.DRAIN.value  # not a fault either: no restart counted (supervisor
 class Change:
     """The membership before and after a rendezvous round, group rank -> identity."""
 
-    before: dict[int, str]
-    after: dict[int, str]
+    before: Mapping[int, str]
+    after: Mapping[int, str]
 
     @property
     def left(self) -> list[str]:

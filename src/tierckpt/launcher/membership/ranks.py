@@ -5,19 +5,21 @@ then pid), so a relaunched node (a new, higher pid) can take the survivor's rank
 node's memory tier then holds the other rank's checkpoint. As HyperPod's operator assigns
 ranks from the job's membership, every agent here publishes a claim (the rank it held last
 and whether it held it in this process) in the round's store once torch settled the
-membership, and every agent applies the same pure ``assign`` to the same claims, so no
-coordinator is needed and every node computes the same permutation.
+membership; torch rank 0 applies the pure ``assign`` to every claim and publishes the result.
 
-Call order (``TierckptAgent``, inside torch's ``_rendezvous``, before the workers' ranks are
-assigned):
+Call order (``membership/rounds.py``: ``Rounds.assign`` inside torch's ``_rendezvous``, before the
+workers' ranks are assigned; ``Rounds.settled`` once the round formed):
 
     prior = load_prior(opts, run_id)                    # the rank the last process on this node held
-    rank, before, after = exchange_round(round_store, torch_rank, world, Claim(prior=..., survivor=..., members=...))
-    save_prior(opts, run_id, rank, world)               # for the next process on this node
+    got = exchange_round(round_store, torch_rank, world, Claim(prior=..., survivor=..., members=..., digest=...))
+    got.rank, got.digest                                # O(1): the rank torch's assignment starts from
+    save_prior(opts, run_id, got.rank, world)           # for the next process on this node
+    before, after = got.memberships()                   # later (settled): O(N) for a node that was not a survivor
 
 ``before`` / ``after`` (group rank -> identity) are the membership of the previous round as the
 survivors knew it and of this one: ``membership.Change`` names the nodes that left, joined, or
-replaced a lost node (a hot spare).
+replaced a lost node (a hot spare). A survivor claims the next round with ``after`` and its
+``digest``: only torch rank 0 hashes a membership, once per round.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import hashlib
 import json
 import socket
 import zlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,7 @@ from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import timeout_error
 from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
-__all__ = ["CLAIMS_TIMEOUT_S", "Claim", "RoundBroken", "assign", "exchange", "exchange_round", "identity",
+__all__ = ["CLAIMS_TIMEOUT_S", "Claim", "Decided", "RoundBroken", "assign", "exchange", "exchange_round", "identity",
            "load_prior", "members_digest", "save_prior"]
 
 #: how long torch rank 0 waits for every member's claim after the round closed (a live member
@@ -63,21 +65,27 @@ class Claim:
     identity  host and memory root: names the node in events, and for ``offenders.py``
     members   a survivor's view of the previous round's membership (group rank -> identity);
               None for an agent that held no rank in this process (a new, relaunched or spare node)
-    digest    what a published claim carries instead of ``members`` (``members_digest``)
+    digest    the name of ``members`` on the wire: the one the last decision gave (``Decided.digest``),
+              so a survivor never hashes its map; None: ``members_digest(members)`` (a map settled
+              without a decision, a regroup's); a published claim carries only this
     """
 
     prior: int | None
     survivor: bool = False
     identity: str = ""
-    members: dict[int, str] | None = None
-    digest: str | None = None  # on the wire: ``members_digest(members)``; the map itself travels once
+    members: Mapping[int, str] | None = None
+    digest: str | None = None
+
+    def named(self) -> str | None:
+        """The digest this claim names its map by (None: it names none)."""
+        if self.digest is not None:
+            return self.digest
+        return members_digest(self.members) if self.members else None
 
     def to_json(self, digest: str | None = None) -> bytes:
         """The claim as published: ``members`` by its digest (``exchange_round`` publishes the map)."""
-        if digest is None and self.members:
-            digest = members_digest(self.members)
         return json.dumps({"prior": self.prior, "survivor": self.survivor, "identity": self.identity,
-                           "digest": digest or self.digest}).encode()
+                           "digest": digest if digest is not None else self.named()}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Claim:
@@ -116,58 +124,82 @@ def exchange(store: Any, torch_rank: int, world: int, claim: Claim, *, timeout: 
     ``store`` is the round's store (torch's ``PrefixStore`` per round), so claims of an older
     round are never read.
     """
-    return exchange_round(store, torch_rank, world, claim, timeout=timeout)[0]
+    return exchange_round(store, torch_rank, world, claim, timeout=timeout).rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decided:
+    """What torch rank 0 decided, as one node read it: its ``rank`` and the ``digest`` of the new
+    membership (what the node names it by when it claims again as a survivor), both O(1) to read;
+    the memberships themselves on demand (``memberships``), off the round's critical path."""
+
+    rank: int
+    digest: str | None  # members_digest(after), computed once by torch rank 0 (None: an older decider)
+    store: Any = field(repr=False)  # the round's store: a newcomer reads the memberships there
+    base: Mapping[int, str] | None = field(default=None, repr=False)  # the claim's map, when it is the decision's base
+    diff: dict[str, Any] | None = field(default=None, repr=False)  # before and after as differences from ``base``
+
+    def memberships(self) -> tuple[Mapping[int, str], Mapping[int, str]]:
+        """(the previous round's membership as the survivors knew it, this round's), group rank ->
+        identity. A survivor whose map was the decision's base applies the difference (the map
+        itself stands for ``before`` when nothing differs: no copy); any other node reads both
+        maps (one ``get``, compressed): O(N), so a caller reads them after its rank is in use."""
+        if self.base is not None and self.diff is not None:
+            before = _apply(self.base, self.diff["before"])
+            return before, _apply(self.base, self.diff["after"])
+        full = _unpack(self.store.get(keys.RANK_MEMBERS))
+        return _ints(full["before"]), _ints(full["after"])
 
 
 def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
-                   timeout: float = CLAIMS_TIMEOUT_S) -> tuple[int, dict[int, str], dict[int, str]]:
-    """``exchange``, plus the memberships: (this agent's rank, the previous round's membership as
-    the survivors knew it, this round's membership), each group rank -> identity.
+                   timeout: float = CLAIMS_TIMEOUT_S) -> Decided:
+    """``exchange``, as a ``Decided``: this agent's rank, the new membership's digest and, on
+    demand, the memberships (the previous round's as the survivors knew it, this round's).
 
-    O(1) store operations per node: each node publishes its claim (a survivor names the
-    membership it knew by digest; the first survivor with that digest publishes the map once),
-    torch rank 0 reads every claim in one ``multi_get`` and publishes the decision (every node's
-    rank, the memberships), and each node reads its rank and the memberships. A survivor whose
-    map is the decision's base reads only the difference (the nodes that left or joined); a node
-    without it (a newcomer, a spare) reads the whole memberships, compressed. Keys: ``keys.py``
-    "On the store of one rendezvous round".
+    O(1) store operations and O(1) work per node, torch rank 0 aside: each node publishes its
+    claim (a survivor names the membership it knew by the digest it was told; the first survivor
+    with that digest publishes the map once), torch rank 0 reads every claim in one ``multi_get``,
+    decides and publishes the decision (every node's rank, the memberships, the new membership's
+    digest and the difference from the survivors' map), and each node reads the decision and its
+    rank (one ``multi_get``). No node but torch rank 0 hashes or parses a whole membership to get its rank: a survivor
+    whose map is the decision's base has the difference in hand, any other node (a newcomer, a
+    spare, every node of the first round) reads the whole memberships when it asks for them
+    (``Decided.memberships``). Keys: ``keys.py`` "On the store of one rendezvous round".
 
     A member whose claim does not come within ``timeout`` (it died after it arrived) breaks the
     round: torch rank 0 publishes that instead of a decision, and every member raises
     ``RoundBroken`` (also when torch rank 0 itself publishes nothing within ``timeout`` + 5 s).
     """
-    digest = None
-    if claim.members:
-        digest = members_digest(claim.members)
+    digest = claim.named()
+    if claim.members is not None and digest is not None:
         if int(store.add(keys.rank_known_count(digest), 1)) == 1:  # the first survivor that knew this map
             store.set(keys.rank_known(digest), _pack({str(k): v for k, v in claim.members.items()}))
     store.set(keys.rank_claim(torch_rank), claim.to_json(digest))
     if torch_rank == 0:
-        _decide(store, world, timeout)
+        _decide(store, world, timeout, claim if digest is not None else None)
     _wait(store, [keys.RANK_DECIDED], timeout + 5.0,
           "the round's first node (torch rank 0) did not publish the round's ranks within {t:.0f}s "
           "after the rendezvous (it failed or left during the round)", broken=True)
-    decided = json.loads(store.get(keys.RANK_DECIDED))
+    raw, rank_raw = store.multi_get([keys.RANK_DECIDED, keys.rank_decided(torch_rank)])  # one round trip
+    decided = json.loads(bytes(raw))
     if decided.get("broken"):
         raise RoundBroken(f"round broken: {decided['broken']}")
-    rank_raw = store.get(keys.rank_decided(torch_rank))
-    if digest is not None and claim.members is not None and decided.get("base") == digest:
-        before = _apply(claim.members, decided["before"])
-        after = _apply(claim.members, decided["after"])
-    else:
-        full = _unpack(store.get(keys.RANK_MEMBERS))
-        before, after = _ints(full["before"]), _ints(full["after"])
-    return int(rank_raw), before, after
+    rank = int(bytes(rank_raw))
+    on_base = digest is not None and claim.members is not None and decided.get("base") == digest
+    return Decided(rank=rank, digest=decided.get("digest"), store=store,
+                   base=claim.members if on_base else None,
+                   diff={"before": decided["before"], "after": decided["after"]} if on_base else None)
 
 
-def members_digest(members: dict[int, str]) -> str:
+def members_digest(members: Mapping[int, str]) -> str:
     """A short name for a membership map: survivors that knew the same map send the same digest."""
     raw = json.dumps(sorted(members.items()), separators=(",", ":")).encode()
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def _decide(store: Any, world: int, timeout: float) -> None:
-    """Torch rank 0: every claim (one wait, one multi_get), ``assign``, the decision published."""
+def _decide(store: Any, world: int, timeout: float, own: Claim | None) -> None:
+    """Torch rank 0: every claim (one wait, one multi_get), ``assign``, the decision published.
+    ``own``: its own claim when it names a map (that map needs no read back)."""
     claimed = [keys.rank_claim(i) for i in range(world)]
     try:
         _wait(store, claimed, timeout, "", broken=True)
@@ -175,34 +207,62 @@ def _decide(store: Any, world: int, timeout: float) -> None:
         missing = [i for i, k in enumerate(claimed) if not store.check([k])]
         why = (f"torch rank(s) {missing} of {world} published no rank claim within {timeout:g}s of the round's "
                "close (gone since their arrival, or another tierckpt version)")
+        store.multi_set([keys.rank_decided(i) for i in range(world)], [b"-1"] * world)  # each member's read returns
         store.set(keys.RANK_DECIDED, json.dumps({"broken": why}).encode())
         raise RoundBroken(f"round broken: {why}") from exc
     claims = [Claim.from_json(bytes(raw)) for raw in store.multi_get(claimed)]
     digests = list(dict.fromkeys(c.digest for c in claims if c.survivor and c.digest))
-    _wait(store, [keys.rank_known(d) for d in digests], timeout,
+    known: dict[str, Mapping[int, str]] = {}
+    if own is not None and own.members is not None and own.named() in digests:
+        known[str(own.named())] = own.members
+    unread = [d for d in digests if d not in known]
+    _wait(store, [keys.rank_known(d) for d in unread], timeout,
           "a survivor's view of the last round was not published within {t:.0f}s")
-    known = {d: _ints(_unpack(store.get(keys.rank_known(d)))) for d in digests}
+    known.update({d: _ints(_unpack(store.get(keys.rank_known(d)))) for d in unread})
     order = assign(claims)
-    before: dict[int, str] = {}
-    for c in claims:  # every survivor knew the same previous membership; merge in case one is stale
-        if c.survivor:
-            before.update(c.members or known.get(c.digest or "", {}))
+    before = _merged(claims, known)
     after = {order[i]: c.identity for i, c in enumerate(claims)}
     base_digest = digests[0] if digests else None
-    base = known.get(base_digest or "", {})
     store.multi_set([keys.rank_decided(i) for i in range(world)], [str(r).encode() for r in order])
     store.set(keys.RANK_MEMBERS, _pack({"before": {str(k): v for k, v in before.items()},
                                         "after": {str(k): v for k, v in after.items()}}))
-    store.set(keys.RANK_DECIDED, json.dumps({"base": base_digest, "before": _diff(before, base),
-                                             "after": _diff(after, base)}).encode())  # last: the wake-up
+    decision: dict[str, Any] = {"base": base_digest, "digest": members_digest(after)}
+    if base_digest is not None:  # no base (the first round): every node reads RANK_MEMBERS, no difference
+        base = known[base_digest]
+        decision.update({"before": _diff(before, base), "after": _diff(after, base)})
+    store.set(keys.RANK_DECIDED, json.dumps(decision).encode())  # last: the wake-up
 
 
-def _diff(m: dict[int, str], base: dict[int, str]) -> dict[str, Any]:
+def _merged(claims: Sequence[Claim], known: Mapping[str, Mapping[int, str]]) -> dict[int, str]:
+    """The previous membership from the survivors' maps, merged in torch-rank order (a later one
+    wins a rank they disagree on: one may be stale). Every survivor that names the same map counts
+    once, at its last place: the same result as merging every survivor's map, in O(N) instead of
+    O(N) per survivor."""
+    last: dict[str, int] = {}
+    inline: list[tuple[int, Mapping[int, str]]] = []
+    for i, c in enumerate(claims):
+        if c.survivor and c.members:  # an older agent's map, inline
+            inline.append((i, c.members))
+        elif c.survivor and c.digest:
+            last[c.digest] = i
+    maps = sorted([(i, known[d]) for d, i in last.items() if d in known] + inline, key=lambda x: x[0])
+    before: dict[int, str] = {}
+    for _, m in maps:
+        before.update(m)
+    return before
+
+
+def _diff(m: Mapping[int, str], base: Mapping[int, str]) -> dict[str, Any]:
     return {"set": {str(k): v for k, v in m.items() if base.get(k) != v}, "drop": [k for k in base if k not in m]}
 
 
-def _apply(base: dict[int, str], d: dict[str, Any]) -> dict[int, str]:
-    out = {k: v for k, v in base.items() if k not in set(d["drop"])}
+def _apply(base: Mapping[int, str], d: dict[str, Any]) -> Mapping[int, str]:
+    """``base`` with the difference applied; ``base`` itself when there is none (a read-only map)."""
+    if not d["set"] and not d["drop"]:
+        return base
+    out = dict(base)
+    for k in d["drop"]:
+        out.pop(int(k), None)
     out.update(_ints(d["set"]))
     return out
 

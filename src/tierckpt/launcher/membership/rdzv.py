@@ -47,21 +47,28 @@ Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
                         and at most once a second ``add(r<k+1>/running, 1)``
     leave():            this node left the running job (a surplus or repeat offender standing by): its
                         next arrival is a newcomer's
-    set_closed() / shutdown(): set ``closed``; a node in next_rendezvous then raises
-                        RendezvousClosedError
+    set_closed() / shutdown(): set ``closed``, and the open round's world to 0 unless its leader
+                        set it (a wake-up); a node in next_rendezvous then raises RendezvousClosedError
 
-Cost: a node's join is five store operations (get, add, set, wait, get); the leader polls one counter
-while the round fills (every ``poll_s``); a running job costs one ``add`` per node per poll of
-``num_nodes_waiting`` below max_nodes, and one ``add`` a second for its beat (the liveness of nodes
-is the launcher's own, liveness.py).
+Cost: a node's join is seven store operations (two peeks: closed, round; add, set, wait, get the
+world, get its rank); the leader polls one counter
+while the round fills (every ``poll_s``) and beats every ``lead_stale_s / 4`` (at most 0.5 s); a
+waiting member wakes from its ``wait`` now and then to look at the leader's beat (~5 operations):
+the first ``DEPUTIES`` arrivals after the leader every second, the others about every
+``max_nodes / WAKES_PER_S`` seconds, so the round's wake-ups stay near ``WAKES_PER_S`` a second at
+any size. A running job costs one ``add`` per node per poll of ``num_nodes_waiting`` below
+max_nodes, and one ``add`` a second for its beat (the liveness of nodes is the launcher's own,
+liveness.py).
 A leader that dies before it closes the round stops beating; a node that sees its beat stand still
-for ``lead_stale_s`` takes the lead (``compare_set`` on r<k>/lead) and closes the round itself.
+for ``lead_stale_s`` (a deputy, within a second; any member at its next wake-up) takes the lead
+(``compare_set`` on r<k>/lead) and closes the round itself.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import random
 import socket
 import time
 from typing import Any
@@ -80,6 +87,11 @@ from tierckpt.launcher.control.store import peek, store_errors, timeout_error
 __all__ = ["BACKEND", "TierckptRendezvousHandler", "create_handler", "handler_creator", "register"]
 
 BACKEND = "tierckpt"
+
+#: members right after the leader in arrival order that watch its beat every second (``_watch_s``)
+DEPUTIES = 4
+#: what all the other members of a round wake up at, together, per second (``_watch_s``)
+WAKES_PER_S = 64.0
 
 
 def _int(raw: bytes | None, default: int = 0) -> int:
@@ -134,7 +146,12 @@ class TierckptRendezvousHandler(RendezvousHandler):
         return peek(self.store, self._key("closed")) is not None
 
     def set_closed(self) -> None:
+        """Close the rendezvous, and wake the nodes waiting in the open round at once (they block
+        on its world key for long: ``_watch_s``): its world is set to 0 unless its leader set
+        it, so each of them finds no seat and reads ``closed``."""
         self.store.set(self._key("closed"), b"1")
+        key = self._r(_int(peek(self.store, self._key("round"))), "world")
+        self.store.set(key, bytes(self.store.compare_set(key, b"", b"0")))  # set: the legacy server's wake-up
 
     def shutdown(self) -> bool:
         try:
@@ -187,37 +204,55 @@ class TierckptRendezvousHandler(RendezvousHandler):
         return dist.PrefixStore(self._r(k, ""), self.store)  # type: ignore[attr-defined]
 
     def _await_world(self, k: int, i: int, deadline: float) -> int:
-        """Round k's size: decided here if this node leads it, else waited for."""
+        """Round k's size: decided here if this node leads it, else waited for. A ``wait`` that
+        returns means the key is set (nothing here ``compare_set``s it without setting it, and a
+        ``peek`` would: torch's libuv server wakes every waiter on a key at any compare_set, so
+        each member's peek woke all the others), so the member reads it at once."""
         if i == 0:
             self._lead(k, deadline)
         key = self._r(k, "world")
         beat_seen, beat_at = -1, time.monotonic()
+        lead_seen = b""  # the lead key as this member last saw it (absent: arrival 0 leads)
         while True:
-            got = peek(self.store, key)
-            if got is not None:
-                return int(got)
             now = time.monotonic()
             if now > deadline:
                 raise RendezvousTimeoutError(f"round {k} of run {self.run_id!r} did not form within "
                                              f"{self.join_timeout_s:g}s ({self._arrivals(k)} of {self.min_nodes} "
                                              "nodes needed arrived)")
-            if self.is_closed():
-                raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
-            try:  # block on the key, a second at a time, so a stale leader is noticed
-                self.store.wait([key], datetime.timedelta(seconds=min(1.0, max(0.01, deadline - now))))
-                continue
+            try:  # block on the key, waking now and then to see whether the leader still beats
+                self.store.wait([key], datetime.timedelta(seconds=min(self._watch_s(i), max(0.01, deadline - now))))
+                return int(self.store.get(key))
             except timeout_error():
                 pass
+            if self.is_closed():
+                raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
             beat = _int(peek(self.store, self._r(k, "beat")), -1)
             if beat != beat_seen:
                 beat_seen, beat_at = beat, time.monotonic()
             elif time.monotonic() - beat_at >= self.lead_stale_s:
-                lead = peek(self.store, self._r(k, "lead"))
-                expected = lead if lead is not None else b""
-                took = bytes(self.store.compare_set(self._r(k, "lead"), expected, str(i).encode()))
+                # from the leader it judged stale only: two members that judged the same leader stale took
+                # the lead one after the other when the second read the key after the first took it (two
+                # leaders: one's peeks of the members' keys woke the other's wait on them, on torch's libuv
+                # server, and its multi_get then blocked for the store's timeout; test_rdzv)
+                took = bytes(self.store.compare_set(self._r(k, "lead"), lead_seen, str(i).encode()))
                 if took == str(i).encode():
                     self._lead(k, deadline)
-                beat_at = time.monotonic()
+                lead_seen, beat_at = took, time.monotonic()  # another took it: it gets lead_stale_s
+
+    def _watch_s(self, i: int) -> float:
+        """How long arrival ``i`` blocks on the world key between looks at its leader's beat.
+
+        The first ``DEPUTIES`` arrivals after the leader look every second (a leader that died
+        is replaced within ``lead_stale_s`` + 1 s, as before); every other member only as a
+        backstop, every ``max_nodes / WAKES_PER_S`` seconds (at least 1 s), jittered, so a round
+        costs the store about ``WAKES_PER_S`` wake-ups a second (each ~5 operations) whatever its
+        size. A round of 4096 members that each woke every second made ~20k operations a second,
+        more than torch's legacy store server serves to 4096 clients (~5.5k), and starved the
+        leader's own polls (bench rdzv: the round did not form in 360 s). The round's close, the
+        rendezvous' close (``set_closed``) and the join deadline wake them in time regardless."""
+        if i <= DEPUTIES:
+            return 1.0
+        return max(1.0, self.max_nodes / WAKES_PER_S) * random.uniform(0.5, 1.5)
 
     def _arrivals(self, k: int) -> int:
         return int(self.store.add(self._r(k, "n"), 0))
@@ -228,6 +263,8 @@ class TierckptRendezvousHandler(RendezvousHandler):
         beat = self._r(k, "beat")
         rejoined = k == 0 or self.round is not None  # round 0 follows no round
         running, running_at = -1, time.monotonic()
+        beat_every = min(0.5, self.lead_stale_s / 4)  # the members judge the beat over lead_stale_s
+        beat_at = -beat_every
         while True:
             n = self._arrivals(k)
             now = time.monotonic()
@@ -247,9 +284,11 @@ class TierckptRendezvousHandler(RendezvousHandler):
             if now > deadline:
                 raise RendezvousTimeoutError(f"round {k} of run {self.run_id!r}: {n} of {self.min_nodes} nodes "
                                              f"needed arrived within {self.join_timeout_s:g}s")
-            if self.is_closed():
-                raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
-            self.store.add(beat, 1)
+            if now - beat_at >= beat_every:  # not every poll: one operation a poll while the round fills
+                beat_at = now
+                if self.is_closed():
+                    raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
+                self.store.add(beat, 1)
             time.sleep(self.poll_s)
         world = self._floor(n) or min(n, self.max_nodes)
         self._rank(k, world, deadline)
@@ -275,6 +314,9 @@ class TierckptRendezvousHandler(RendezvousHandler):
         try:  # every member sets its key right after its arrival
             self.store.wait(who, datetime.timedelta(seconds=max(0.01, min(self.lead_stale_s,
                                                                           deadline - time.monotonic()))))
+            if not self.store.check(who):  # a wait returns without its keys on torch's libuv server when
+                # another client peeks one of them (a compare_set wakes its waiters): a second leader's peeks
+                raise timeout_error()(f"round {k}: not every member's descriptor was set")
             raws: list[bytes | None] = [bytes(r) for r in self.store.multi_get(who)]
         except timeout_error():  # one died between its arrival and its key: it ranks last
             raws = [peek(self.store, key) for key in who]

@@ -10,9 +10,10 @@ Call order (the supervisor, supervisor/torch_agent.py):
 
     gate(handler, ready, generation)            # before torch's round (None: it did not wait)
     rendezvous(round_call, generation)          # torch's round, again while a member breaks it
-    assign(store, group_rank, world, run_id)    # inside torch's round: this node's stable rank
+    assign(store, group_rank, world, run_id)    # inside torch's round: this node's stable rank (O(1))
     after_round(job_store, offenses, avoid)     # once the round formed, with the state file's lists
-    settled(job_store, node, nnodes, ...) -> Round   # after a round or a regroup: the value the parts follow
+    settled(job_store, node, nnodes, ...) -> Round   # after a round or a regroup: the value the parts follow;
+                                                # reads the round's memberships (O(N) for a newcomer)
     grows(store, nnodes, waiting) / snoozed(now)   # every poll: a MembershipChange
     record(store, g, fault); keep_out(store, g, fault)   # a fault, after the stop barrier
     regroup(...) -> bool | stand_aside(handler) | forget()   # the recovery's membership step
@@ -23,7 +24,7 @@ Call order (the supervisor, supervisor/torch_agent.py):
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +71,9 @@ class Rounds:
         self.events = events
         self.held_rank: int | None = None  # the group rank this process held in its last round (ranks.py)
         self.stable_rank: int | None = None  # this round's group rank, set by ``assign``
-        self.members: dict[int, str] = {}  # group rank -> identity of the last round (ranks.exchange_round)
+        self._members: Mapping[int, str] = {}  # group rank -> identity of the last round (``members``)
+        self._digest: str | None = None  # its name as the round's decision gave it (ranks.Decided.digest)
+        self._decided: ranks.Decided | None = None  # this round's decision, its memberships not read yet
         self.claims_timeout_s = ranks.CLAIMS_TIMEOUT_S  # a member's claim after the close (ranks.RoundBroken)
         self._change = Change(before={}, after={})  # the last round's membership change, reported by ``settled``
         self._arrivals_seen = 0  # spares.arrivals when this round settled
@@ -136,17 +139,38 @@ class Rounds:
 
     def assign(self, store: Any, group_rank: int, group_world_size: int, run_id: str) -> int:
         """Inside torch's round: the group rank this node held before (ranks.py), instead of
-        torch's arrival order; torch's rank assignment then runs from it."""
+        torch's arrival order; torch's rank assignment then runs from it. O(1) work: a survivor
+        names the map it knew by the digest it was told, and the round's memberships are read
+        when they are needed (``members``; ``settled`` at the latest), not before the rank is."""
         memory_dir = self.opts.memory_dir
         survivor = self.held_rank is not None
         prior = self.held_rank if survivor else ranks.load_prior(memory_dir, run_id)
         claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
-                            members=self.members if survivor else None)
-        stable, before, self.members = ranks.exchange_round(store, group_rank, group_world_size, claim,
-                                                            timeout=self.claims_timeout_s)
-        self._change = Change(before=before, after=self.members)
-        self.stable_rank = stable
-        return stable
+                            members=self.members if survivor else None, digest=self._digest if survivor else None)
+        self._decided = ranks.exchange_round(store, group_rank, group_world_size, claim, timeout=self.claims_timeout_s)
+        self.stable_rank = self._decided.rank
+        return self._decided.rank
+
+    @property
+    def members(self) -> Mapping[int, str]:
+        """Group rank -> identity of the last round; the round's memberships are read here first
+        (one store ``get`` for a node that was no survivor, ranks.Decided.memberships)."""
+        decided = self._decided
+        if decided is not None:
+            before, after = decided.memberships()
+            self._change, self._members, self._digest, self._decided = \
+                Change(before=before, after=after), after, decided.digest, None
+        return self._members
+
+    @members.setter
+    def members(self, value: Mapping[int, str]) -> None:
+        self._members, self._digest, self._decided = value, None, None
+
+    @property
+    def members_known(self) -> Mapping[int, str]:
+        """``members`` without a store read: the last round whose memberships were read (the
+        store-loss path, where the store is gone; normally this round's, read by ``settled``)."""
+        return self._members
 
     def after_round(self, job_store: Any, offenses: Any, avoid: Sequence[Any]) -> None:
         """After a rendezvous round: the offenses the state file kept, the last full restart's
@@ -162,6 +186,7 @@ class Rounds:
         """After a round or a regroup: keep the rank, report the membership (``spare``,
         ``membership`` events); the ``Round`` the detectors, liveness and node agent follow."""
         self.held_rank = node
+        _ = self.members  # this round's memberships, read now (ranks.Decided.memberships)
         problem = ranks.save_prior(self.opts.memory_dir, run_id, node, nnodes)
         if problem is not None:
             self.events.emit("warning", generation=generation, what=problem)
@@ -270,6 +295,7 @@ class Rounds:
         assign(dist.PrefixStore(keys.regroup_round(g), ctl.store), rank, world)  # type: ignore[attr-defined]
         after = {new: self.members.get(old, "") for new, old in enumerate(plan.survivors)}
         self._change, self.members = Change(before=self.members, after=after), after
+        self._digest = ranks.members_digest(after)  # here, not at the next round's claim
         return True
 
     def stand_aside(self, handler: Any) -> None:

@@ -679,7 +679,7 @@ class Supervisor:
     def _lost_store(self, why: str) -> None:
         """The job's store is gone: stop, report, persist what this node can alone, exit code 75."""
         self._stop_now()
-        store_node = self._store.node(self.rounds.members)
+        store_node = self._store.node(self.rounds.members_known)  # no store read: it is gone
         self.events.emit("fault", generation=self.generation, reason="LostStore", rank=None, node=store_node,
                          store=self._store.identity, detail=why)
         self._persist(barrier=False)

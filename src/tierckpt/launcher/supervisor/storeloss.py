@@ -17,6 +17,7 @@ Call order (the supervisor, each round):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from tierckpt.launcher.control import keys
@@ -40,6 +41,6 @@ class StoreWatch:
         raw = peek(job_store, keys.STORE_HOST)
         self.identity = raw.decode() if raw is not None else None
 
-    def node(self, members: dict[int, str]) -> int | None:
+    def node(self, members: Mapping[int, str]) -> int | None:
         """The group rank the store's agent holds in ``members`` (None: not a member, or unknown)."""
         return next((rank for rank, ident in members.items() if ident == self.identity), None)
