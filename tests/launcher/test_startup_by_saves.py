@@ -13,8 +13,9 @@ from tests.launcher.cluster import LocalJob
 
 pytestmark = pytest.mark.slow
 
-DEADLINE_S = 20  # the first save comes within it, with the start-up under load; the job runs past it
-STEPS, STEP_TIME = 100, 0.3
+DEADLINE_S = 40  # the first save comes within it, with the start-up under load (CI: a 20 s deadline
+# failed once when a neighbouring test saturated both cores); the job runs past it
+STEPS, STEP_TIME = 170, 0.3
 
 
 @pytest.mark.parametrize("writer", ["sagemaker", "tiered"])

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-data-restore", action="store_true",
                     help="--data: save the loader's position but never restore it (the data starts over)")
     ap.add_argument("--trace-sigterm", action="store_true",
-                    help="on SIGTERM write a 'sigterm' trace event, then exit 143 (a graceful stop, seen)")
+                    help="on SIGTERM write a 'sigterm' trace event, then exit 143 (a graceful stop, seen); a collective "
+                    "that fails because a peer died waits up to 60 s for that stop instead of exiting at once (the "
+                    "survivor's stop is then always the launcher's)")
     args = ap.parse_args(argv)
     t_start = time.time()
     work = Path(args.workdir)
@@ -216,7 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         dist.init_process_group("gloo")
         _trace(trace, "pg")
-        _train(args, model, forward, optim, trace, faulty, inproc=None, data=data)
+        try:
+            _train(args, model, forward, optim, trace, faulty, inproc=None, data=data)
+        except RuntimeError as exc:  # gloo's "connection closed by peer" (DistBackendError is one too)
+            if not args.trace_sigterm or "(as asked)" in str(exc):
+                raise
+            _trace(trace, "collective_failed", error=str(exc)[:200])
+            time.sleep(60)  # the launcher stops this survivor first: 'sigterm', exit 143
+            raise
         dist.destroy_process_group()
     torch.save({"model": model.state_dict(), "optim": optim.state_dict()}, work / f"final_rank{rank_env}.pt")
     _trace(trace, "done", step=args.steps)
