@@ -15,9 +15,19 @@ from tierckpt.bench import rdzv
 
 def _args(**kw: object) -> argparse.Namespace:
     a = dict(procs=2, interval=0.1, window=0.5, poll=0.01, join_timeout=60.0, claims_max=64, torch_max=0,
-             rdzv_cap=5.0, torch_conf="", libuv=False, plot=None)
+             rdzv_cap=5.0, torch_conf="", libuv=True, plot=None)
     a.update(kw)
     return argparse.Namespace(**a)
+
+
+def test_the_store_server_is_the_jobs_own_libuv_server_unless_asked() -> None:
+    """The job store a user gets is c10d's (TCPStore's default: libuv); the bench measures that one."""
+    import torch.distributed as dist
+
+    assert rdzv.parser().parse_args([]).libuv is True
+    assert rdzv.parser().parse_args(["--legacy-store"]).libuv is False
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    assert store.libuvBackend is True, "torch's default store server changed: re-check the bench's default"
 
 
 def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() -> None:

@@ -1,8 +1,8 @@
 """``tierckpt bench rdzv``: ``--rdzv-backend tierckpt`` (membership/rdzv.py) at N simulated nodes, torch's c10d beside it.
 
-Per N, on one TCPStore hosted by its own process (scale.StoreHost, legacy server unless
-``--libuv``), ``--procs`` processes of simulated agents (rdzv_sim.py) hold N + 1 real handlers,
-min = max = N; agent N is a spare:
+Per N, on one TCPStore hosted by its own process (scale.StoreHost: the libuv server, the one a
+job's store is, or the legacy one with ``--legacy-store``), ``--procs`` processes of simulated
+agents (rdzv_sim.py) hold N + 1 real handlers, min = max = N; agent N is a spare:
 
 1. first rendezvous: agents 0..N-1 call ``next_rendezvous`` at once and, up to ``--claims-max``
    nodes, exchange their rank claims (membership/ranks.py, as the agent does) → from the last
@@ -191,7 +191,8 @@ def series(rows: dict[int, dict[str, Any]], cap: float) -> dict[str, list[float 
     return out
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """``tierckpt bench rdzv``'s options (``main`` parses with it)."""
     p = argparse.ArgumentParser(prog="tierckpt bench rdzv", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="64,256,1024,4096", help="simulated node counts, comma-separated")
     p.add_argument("--procs", type=int, default=4, help="simulation processes (an agent thread each in a round)")
@@ -204,9 +205,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--torch-max", type=int, default=256, help="run torch's c10d phases up to this N")
     p.add_argument("--rdzv-cap", type=float, default=60.0, help="give each torch rendezvous this long, s")
     p.add_argument("--torch-conf", default="", help="torch handler settings, k=v,... (default: torchrun's)")
-    p.add_argument("--libuv", action="store_true", help="libuv store server (torch's default)")
+    p.add_argument("--libuv", dest="libuv", action="store_true", default=True,
+                   help="the libuv store server (the default): torch's, and the job store's (c10d's create_backend)")
+    p.add_argument("--legacy-store", dest="libuv", action="store_false",
+                   help="torch's legacy store server (use_libuv=False: it poll()s every connection per event)")
     p.add_argument("--plot", metavar="PNG", help="plot the times per N (needs matplotlib)")
-    return run_unwinding(_run, p.parse_args(argv))
+    return p
+
+
+def main(argv: list[str]) -> int:
+    return run_unwinding(_run, parser().parse_args(argv))
 
 
 def _run(a: argparse.Namespace) -> int:
@@ -214,7 +222,7 @@ def _run(a: argparse.Namespace) -> int:
 
     ns = [int(x) for x in a.nodes.split(",") if x]
     load = os.getloadavg()
-    print(f"bench rdzv: nodes {ns}, {a.procs} processes, monitor interval {a.interval:g} s; {os.cpu_count()} CPUs, "
+    print(f"bench rdzv: nodes {ns}, {'libuv' if a.libuv else 'legacy'} store server, {a.procs} processes, monitor interval {a.interval:g} s; {os.cpu_count()} CPUs, "
           f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
     rows: dict[int, dict[str, Any]] = {}
     for n in ns:
