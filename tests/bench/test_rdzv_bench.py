@@ -44,7 +44,7 @@ def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() ->
     assert got["steady_below_max"]["intervals"] >= 2
     assert lost["handler_ranks_ok"] and not lost["failed"]
     assert lost["spare_holds_lost_rank"], "the survivors keep their ranks, the spare takes the lost one's"
-    assert 0 <= lost["reformed_s"] <= lost["ranked_s"] < 20
+    assert 0 <= lost["arrived_s"] <= lost["reformed_s"] <= lost["ranked_s"] < 20
     assert {p.pid for p in multiprocessing.active_children()} <= before
 
 

@@ -103,6 +103,7 @@ def run_n(n: int, a: argparse.Namespace) -> dict[str, Any]:
         done, failed = _done(got)
         group = {i: g for i, _, _, _, _, g, _ in done}
         lost = {"reformed_s": max(r for _, _, r, *_ in done) - t_lost,
+                "arrived_s": max(t for _, t, *_ in done) - t_lost,  # the simulator's start of 4096 calls
                 "handler_ranks_ok": sorted(r for *_, r, _, _, _ in done) == list(range(n)),
                 "failed": failed, **cost}
         if claims:
