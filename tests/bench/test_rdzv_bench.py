@@ -45,6 +45,9 @@ def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() ->
     assert lost["handler_ranks_ok"] and not lost["failed"]
     assert lost["spare_holds_lost_rank"], "the survivors keep their ranks, the spare takes the lost one's"
     assert 0 <= lost["arrived_s"] <= lost["reformed_s"] <= lost["ranked_s"] < 20
+    alone = got["alone"]  # the exchange timed with the simulator idle: both rounds decided, ranks as claimed
+    for name in ("first", "lost"):
+        assert alone[name]["ok"] and 0 < alone[name]["rank0_s"] < 10 and 0 < alone[name]["member_s"] < 10, alone
     assert {p.pid for p in multiprocessing.active_children()} <= before
 
 

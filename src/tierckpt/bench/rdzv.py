@@ -15,7 +15,9 @@ agents (rdzv_sim.py) hold N + 1 real handlers, min = max = N; agent N is a spare
    ``next_rendezvous`` (the next round) and exchange their rank claims (the survivors name the
    membership they knew by digest) → from then until every node returned
    (re-formed) and has its group rank (the survivors keep theirs, the spare holds the lost one's);
-4. torch, N ≤ ``--torch-max``: scale.py's c10d phases (first rendezvous from the start of the
+4. the rank exchange alone (rdzv_alone.py, up to ``--claims-max``): torch rank 0's and one
+   member's ``exchange_round`` timed with the simulator idle, both rounds;
+5. torch, N ≤ ``--torch-max``: scale.py's c10d phases (first rendezvous from the start of the
    calls; a lost node's re-rendezvous, min N-1, max N, no spare), capped at ``--rdzv-cap``.
 
 The resolver gives up a lost DNS query after 1 s (``scale.quick_resolver``: torch's sockets look up
@@ -30,6 +32,7 @@ import os
 import time
 from typing import Any
 
+from tierckpt.bench.rdzv_alone import exchange_alone
 from tierckpt.bench.scale import Sims, StoreHost, cpu_seconds, plot_lines, run_unwinding
 
 __all__ = ["GOALS", "goals", "main", "run_n", "series", "table"]
@@ -111,6 +114,8 @@ def run_n(n: int, a: argparse.Namespace) -> dict[str, Any]:
             lost["spare_holds_lost_rank"] = group.get(spare) == n // 2 and all(
                 group.get(i) == r for i, r in first.items() if i != victim)
         out["lost"] = lost
+        if claims:  # 4. the exchange's own cost, the simulator idle (rdzv_alone.py)
+            out["alone"] = exchange_alone(host.port, n)
     return out
 
 
