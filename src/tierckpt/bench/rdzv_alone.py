@@ -3,8 +3,8 @@ separation of the protocol from the simulation of N agents on a few cores.
 
 On the bench's store (a prefix of its own), the claims of torch ranks 1..N-1 are published first,
 as N-1 members would have published them; then torch rank 0's ``ranks.exchange_round`` is timed
-alone (its claim, for a survivor the map it knew, the wait for every claim, one ``multi_get`` of N
-claims, ``assign``, the decision published), then one member's (its claim, the wait, one
+alone (its claim, for a survivor the map it knew, the wait for every claim and their read in
+``KEYS_PER_CALL`` parts, ``assign``, the decision published), then one member's (its claim, the wait, one
 ``multi_get``). Two rounds: the first (no node holds a rank) and a lost node's (N-1 survivors
 naming the last membership by digest; the spare, a newcomer, last; rank N/2's holder gone).
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tierckpt.errors import ProtocolError
+from tierckpt.launcher.control import store as store_mod
 from tierckpt.launcher.membership import ranks
 from tierckpt.launcher.membership.ranks import Claim, RoundBroken
 
@@ -211,7 +212,7 @@ def test_survivors_naming_one_map_count_once_at_their_last_place() -> None:
 
 
 def test_the_decider_reads_the_claims_in_parts(server: Any, monkeypatch: Any) -> None:
-    """Torch rank 0 waits for and reads the claims ``KEYS_PER_CALL`` keys a call (3 here, 10 nodes:
+    """Torch rank 0 waits for and reads the claims ``store.KEYS_PER_CALL`` keys a call (3 here, 10 nodes:
     4 parts): the spare still takes the lost rank and every survivor keeps its own; a claim missing
     from the last part breaks the round at torch rank 0's deadline, naming it."""
     ids = _identities(10)
@@ -219,7 +220,7 @@ def test_the_decider_reads_the_claims_in_parts(server: Any, monkeypatch: Any) ->
     claims = [Claim(prior=None, identity="spare:/dev/shm/tierckpt")] + [
         Claim(prior=r, survivor=True, identity=ids[r], members=members) for r in range(10) if r != 4]
     _, whole = _round(server, "whole/", claims)  # one part of 512
-    monkeypatch.setattr(ranks, "KEYS_PER_CALL", 3)
+    monkeypatch.setattr(store_mod, "KEYS_PER_CALL", 3)
     got, stores = _round(server, "parts/", claims)
     assert [r for r, _, _ in got] == [4, 0, 1, 2, 3, 5, 6, 7, 8, 9], got
     assert stores[0].ops - whole[0].ops == 2 * (4 - 1), (stores[0].ops, whole[0].ops)  # a wait and a read a part

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierckpt.launcher.control import keys
-from tierckpt.launcher.control.store import peek, store_errors
+from tierckpt.launcher.control.store import multi_get_parts, peek, store_errors
 
 __all__ = ["QUIET_S", "Liveness", "Silence", "StoreSilence", "Verdict"]
 
@@ -322,7 +322,7 @@ class Liveness:
         store.set(keys.verdict(epoch), doc)
 
     def _read_beats(self, store: Any, epoch: int, peers: list[int]) -> dict[int, bytes]:
-        """Every peer's counter: one ``multi_get`` once every beat key exists (it would block on a
+        """Every peer's counter: one ``multi_get`` (``multi_get_parts``) once every beat key exists (it would block on a
         missing one), before that one non-blocking read per key."""
         beats = [keys.beat(epoch, n) for n in peers]
         if not beats:
@@ -330,6 +330,6 @@ class Liveness:
         if not self._all_beat and store.check(beats):
             self._all_beat = True
         if self._all_beat:
-            return dict(zip(peers, (bytes(v) for v in store.multi_get(beats)), strict=True))
+            return dict(zip(peers, multi_get_parts(store, beats), strict=True))
         got = {n: peek(store, k) for n, k in zip(peers, beats, strict=True)}
         return {n: v for n, v in got.items() if v is not None}

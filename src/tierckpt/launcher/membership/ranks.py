@@ -24,11 +24,9 @@ replaced a lost node (a hot spare). A survivor claims the next round with ``afte
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import socket
-import time
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +37,7 @@ from tierckpt import layout
 from tierckpt.config import DEFAULT_MEMORY_DIR
 from tierckpt.errors import ProtocolError
 from tierckpt.launcher.control import keys
-from tierckpt.launcher.control.store import timeout_error
+from tierckpt.launcher.control.store import multi_get_parts, timeout_error, wait_parts
 from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
 __all__ = ["CLAIMS_TIMEOUT_S", "Claim", "Decided", "RoundBroken", "assign", "exchange", "exchange_round", "identity",
@@ -49,9 +47,6 @@ __all__ = ["CLAIMS_TIMEOUT_S", "Claim", "Decided", "RoundBroken", "assign", "exc
 #: claims within milliseconds of its return from the round): a member that died between its
 #: arrival and the close breaks the round, and every member joins the next one (``RoundBroken``)
 CLAIMS_TIMEOUT_S = 15.0
-KEYS_PER_CALL = 512  # torch rank 0 waits for and reads the claims in calls of this many keys: one
-# wait or multi_get of N keys costs more than N / 512 calls of 512 at thousands of keys (bench rdzv's
-# "alone" phase; a multi_get of 8192 keys took 145 ms here, 16 calls of 512 took 44 ms)
 
 
 class RoundBroken(ProtocolError):
@@ -162,7 +157,7 @@ def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
 
     O(1) store operations and O(1) work per node, torch rank 0 aside: each node publishes its
     claim (a survivor names the membership it knew by the digest it was told; the first survivor
-    with that digest publishes the map once), torch rank 0 reads every claim (``multi_get``s of ``KEYS_PER_CALL``),
+    with that digest publishes the map once), torch rank 0 reads every claim (``store.multi_get_parts``),
     decides and publishes the decision (every node's rank, the memberships, the new membership's
     digest and the difference from the survivors' map), and each node reads the decision and its
     rank (one ``multi_get``). No node but torch rank 0 hashes or parses a whole membership to get its rank: a survivor
@@ -202,7 +197,7 @@ def members_digest(members: Mapping[int, str]) -> str:
 
 
 def _decide(store: Any, world: int, timeout: float, own: Claim | None) -> None:
-    """Torch rank 0: every claim (waited for and read ``KEYS_PER_CALL`` keys a call), ``assign``, the decision published.
+    """Torch rank 0: every claim (``store.wait_parts``, ``store.multi_get_parts``), ``assign``, the decision published.
     ``own``: its own claim when it names a map (that map needs no read back)."""
     claimed = [keys.rank_claim(i) for i in range(world)]
     try:
@@ -214,7 +209,7 @@ def _decide(store: Any, world: int, timeout: float, own: Claim | None) -> None:
         store.multi_set([keys.rank_decided(i) for i in range(world)], [b"-1"] * world)  # each member's read returns
         store.set(keys.RANK_DECIDED, json.dumps({"broken": why}).encode())
         raise RoundBroken(f"round broken: {why}") from exc
-    claims = [Claim.from_json(bytes(raw)) for raw in _multi_get(store, claimed)]
+    claims = [Claim.from_json(raw) for raw in multi_get_parts(store, claimed)]
     digests = list(dict.fromkeys(c.digest for c in claims if c.survivor and c.digest))
     known: dict[str, Mapping[int, str]] = {}
     if own is not None and own.members is not None and own.named() in digests:
@@ -284,19 +279,10 @@ def _unpack(raw: bytes) -> Any:
 
 
 def _wait(store: Any, names: list[str], timeout: float, why: str, *, broken: bool = False) -> None:
-    """Every key of ``names`` set within ``timeout`` s in all (``KEYS_PER_CALL`` keys a call)."""
-    deadline = time.monotonic() + timeout
-    for at in range(0, len(names), KEYS_PER_CALL):
-        left = max(deadline - time.monotonic(), 0.001)
-        try:
-            store.wait(names[at : at + KEYS_PER_CALL], datetime.timedelta(seconds=left))
-        except timeout_error() as exc:
-            raise (RoundBroken if broken else ProtocolError)(why.format(t=timeout)) from exc
-
-
-def _multi_get(store: Any, names: list[str]) -> list[bytes]:
-    """``store.multi_get(names)``, ``KEYS_PER_CALL`` keys a call."""
-    return [v for at in range(0, len(names), KEYS_PER_CALL) for v in store.multi_get(names[at : at + KEYS_PER_CALL])]
+    try:
+        wait_parts(store, names, timeout)
+    except timeout_error() as exc:
+        raise (RoundBroken if broken else ProtocolError)(why.format(t=timeout)) from exc
 
 
 def _path(memory_dir: str | None, run_id: str) -> Path:

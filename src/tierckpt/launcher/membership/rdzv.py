@@ -82,7 +82,7 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
-from tierckpt.launcher.control.store import peek, store_errors, timeout_error
+from tierckpt.launcher.control.store import multi_get_parts, peek, store_errors, timeout_error, wait_parts
 
 __all__ = ["BACKEND", "TierckptRendezvousHandler", "create_handler", "handler_creator", "register"]
 
@@ -312,12 +312,11 @@ class TierckptRendezvousHandler(RendezvousHandler):
         (a job started host by host gets its ranks in host order; ours keep them afterwards, ranks.py)."""
         who = [self._r(k, f"who/{i}") for i in range(world)]
         try:  # every member sets its key right after its arrival
-            self.store.wait(who, datetime.timedelta(seconds=max(0.01, min(self.lead_stale_s,
-                                                                          deadline - time.monotonic()))))
+            wait_parts(self.store, who, max(0.01, min(self.lead_stale_s, deadline - time.monotonic())))
             if not self.store.check(who):  # a wait returns without its keys on torch's libuv server when
                 # another client peeks one of them (a compare_set wakes its waiters): a second leader's peeks
                 raise timeout_error()(f"round {k}: not every member's descriptor was set")
-            raws: list[bytes | None] = [bytes(r) for r in self.store.multi_get(who)]
+            raws: list[bytes | None] = list(multi_get_parts(self.store, who))
         except timeout_error():  # one died between its arrival and its key: it ranks last
             raws = [peek(self.store, key) for key in who]
         descs = []
