@@ -9,12 +9,13 @@ import multiprocessing
 from pathlib import Path
 
 import matplotlib.image as mpimg  # a dev requirement, as for bench scale
+import pytest
 
 from tierckpt.bench import rdzv
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    a = dict(procs=2, interval=0.1, window=0.5, poll=0.01, join_timeout=60.0, claims_max=64, torch_max=0,
+    a = dict(procs=2, sim="greenlets", interval=0.1, window=0.5, poll=0.01, join_timeout=60.0, claims_max=64, torch_max=0,
              rdzv_cap=5.0, torch_conf="", libuv=True, plot=None)
     a.update(kw)
     return argparse.Namespace(**a)
@@ -30,9 +31,12 @@ def test_the_store_server_is_the_jobs_own_libuv_server_unless_asked() -> None:
     assert store.libuvBackend is True, "torch's default store server changed: re-check the bench's default"
 
 
-def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() -> None:
+@pytest.mark.parametrize("sim", ["greenlets", "threads"])
+def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare(sim: str) -> None:
+    """Either simulation (greenlets on the pure-Python client, or threads on torch's) runs the real
+    handler to the same figures."""
     before = {p.pid for p in multiprocessing.active_children()}
-    got = rdzv.run_n(8, _args())
+    got = rdzv.run_n(8, _args(sim=sim))
     assert "error" not in got, got
     first, lost = got["first"], got["lost"]
     assert first["ranks_ok"] and not first["failed"]
@@ -45,9 +49,11 @@ def test_eight_agents_form_a_round_poll_steadily_and_re_form_with_the_spare() ->
     assert lost["handler_ranks_ok"] and not lost["failed"]
     assert lost["spare_holds_lost_rank"], "the survivors keep their ranks, the spare takes the lost one's"
     assert 0 <= lost["arrived_s"] <= lost["reformed_s"] <= lost["ranked_s"] < 20
-    alone = got["alone"]  # the exchange timed with the simulator idle: both rounds decided, ranks as claimed
+    assert lost["ranked_s"] == lost["reformed_s"], "the round decided the ranks itself: no exchange after it"
+    alone = got["alone"]  # the decision timed with the simulator idle: both rounds decided, ranks as claimed
     for name in ("first", "lost"):
-        assert alone[name]["ok"] and 0 < alone[name]["rank0_s"] < 10 and 0 < alone[name]["member_s"] < 10, alone
+        assert alone[name]["ok"], alone
+        assert all(0 < alone[name][k] < 10 for k in ("lead_s", "member_s", "exchange_s")), alone
     assert {p.pid for p in multiprocessing.active_children()} <= before
 
 

@@ -51,6 +51,18 @@ def _phase(sims: Sims, host: StoreHost, msgs: list[Any], timeout: float) -> tupl
     return got, cost
 
 
+def _round(sims: Sims, host: StoreHost, shares: list[list[int]], claims: bool,
+           timeout: float) -> tuple[float, list[Any] | None, dict[str, float]]:
+    """A round: every process parks a thread per agent (rdzv_sim.py), then all go at one moment
+    ``at`` (wall clock, 0.1 s ahead); (at, the replies, the round's wall time and CPU from ``at``)."""
+    ready = sims.ask([("round", share, claims) for share in shares], timeout)
+    if ready is None:
+        return time.time(), None, {}
+    at = time.time() + 0.1
+    got, cost = _phase(sims, host, [("go", at)] * len(shares), timeout)
+    return at, got, cost
+
+
 def _done(got: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]], dict[str, int]]:
     done: list[tuple[Any, ...]] = []
     failed: dict[str, int] = {}
@@ -63,7 +75,8 @@ def _done(got: list[dict[str, Any]]) -> tuple[list[tuple[Any, ...]], dict[str, i
 
 def run_n(n: int, a: argparse.Namespace) -> dict[str, Any]:
     """Phases 1-3 at N nodes; every figure in one dict (a phase that failed says why)."""
-    settings = {"store_timeout_s": a.join_timeout + 60, "join_timeout_s": a.join_timeout, "poll_s": a.poll}
+    settings = {"store_timeout_s": a.join_timeout + 60, "join_timeout_s": a.join_timeout, "poll_s": a.poll,
+                "sim": a.sim}
     out: dict[str, Any] = {}
     limit = a.join_timeout + 60
     with StoreHost(a.libuv) as host, Sims(host.port, n + 1, a.procs, serve=_serve()) as sims:
@@ -74,7 +87,7 @@ def run_n(n: int, a: argparse.Namespace) -> dict[str, Any]:
         out["connect_s"] = cost["wall_s"]
         # 1. first rendezvous
         claims = n <= a.claims_max
-        got, cost = _phase(sims, host, [("round", [i for i in s if i != spare], claims) for s in sims.shares], limit)
+        _, got, cost = _round(sims, host, [[i for i in s if i != spare] for s in sims.shares], claims, limit)
         if got is None:
             out["error"] = f"the first rendezvous did not end within {limit:g} s"
             return out
@@ -98,8 +111,7 @@ def run_n(n: int, a: argparse.Namespace) -> dict[str, Any]:
                          "intervals": min(x["ticks"] for x in got), "nominal": round(a.window / a.interval), **cost}
         # 3. lost node: rank N/2's agent is gone; the others and the spare form the next round
         victim = next(i for i, r in first.items() if r == n // 2)
-        t_lost = time.time()
-        got, cost = _phase(sims, host, [("round", [i for i in s if i != victim], claims) for s in sims.shares], limit)
+        t_lost, got, cost = _round(sims, host, [[i for i in s if i != victim] for s in sims.shares], claims, limit)
         if got is None:
             out["error"] = f"the lost node's round did not end within {limit:g} s"
             return out
@@ -201,7 +213,10 @@ def parser() -> argparse.ArgumentParser:
     """``tierckpt bench rdzv``'s options (``main`` parses with it)."""
     p = argparse.ArgumentParser(prog="tierckpt bench rdzv", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", default="64,256,1024,4096", help="simulated node counts, comma-separated")
-    p.add_argument("--procs", type=int, default=4, help="simulation processes (an agent thread each in a round)")
+    p.add_argument("--procs", type=int, default=4, help="simulation processes (the agents shared among them)")
+    p.add_argument("--sim", choices=("greenlets", "threads"), default="greenlets",
+                   help="simulated agents as greenlets on a pure-Python store client (the default: the "
+                        "simulation costs less than the store), or threads on torch's client (as an agent runs it)")
     p.add_argument("--interval", type=float, default=0.1, help="the monitor's poll of num_nodes_waiting, s")
     p.add_argument("--window", type=float, default=3.0, help="steady-state window, s (each of the two)")
     p.add_argument("--poll", type=float, default=0.01, help="the round leader's poll, s (the handler's poll_s)")
@@ -228,7 +243,7 @@ def _run(a: argparse.Namespace) -> int:
 
     ns = [int(x) for x in a.nodes.split(",") if x]
     load = os.getloadavg()
-    print(f"bench rdzv: nodes {ns}, {'libuv' if a.libuv else 'legacy'} store server, {a.procs} processes, monitor interval {a.interval:g} s; {os.cpu_count()} CPUs, "
+    print(f"bench rdzv: nodes {ns}, {'libuv' if a.libuv else 'legacy'} store server, {a.procs} processes of {a.sim}, monitor interval {a.interval:g} s; {os.cpu_count()} CPUs, "
           f"load average {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}", flush=True)
     rows: dict[int, dict[str, Any]] = {}
     for n in ns:

@@ -350,3 +350,67 @@ def test_two_members_that_find_the_leader_stale_make_one_leader(server: Any) -> 
         h._lead = lambda k, deadline, real=real: (led.append(k), real(k, deadline))[1]  # type: ignore[method-assign]
     assert sorted(_all(hs)) == [(0, 3), (1, 3)]
     assert led == [0], led
+
+
+def _claims(hs: list[TierckptRendezvousHandler], claims: list[Any]) -> None:
+    for h, c in zip(hs, claims, strict=True):
+        h.claim = (lambda c=c: c)
+
+
+def test_with_claims_the_round_itself_gives_each_node_its_stable_rank(server: Any) -> None:
+    """With the launcher's rank claims (``handler.claim``, set by ``Rounds.gate``) the round's
+    leader applies ``ranks.assign`` itself: each node's rank in the round is its stable group rank
+    and no second exchange runs (no rank-claim key is written). A lost node's round: the survivors
+    keep their ranks though the host order says otherwise, the spare (a newcomer) takes the lost
+    rank, and each node's ``decided`` holds the round's memberships."""
+    from tierckpt.launcher.control import keys
+    from tierckpt.launcher.membership.ranks import Claim
+
+    hs = [_handler(server, min_nodes=3, max_nodes=3) for _ in range(3)]
+    for h, host in zip(hs, ("host-c", "host-b", "host-a"), strict=True):
+        h._host = host
+    idents = ["c:/shm", "b:/shm", "a:/shm"]
+    _claims(hs, [Claim(prior=None, identity=x) for x in idents])
+    got = _all(hs)
+    assert got == [(2, 3), (1, 3), (0, 3)], "the first round: host order (no node remembers a rank)"
+    first = [h.decided for h in hs]
+    assert all(d is not None and d.rank == g[0] for d, g in zip(first, got, strict=True))
+    before, after = first[0].memberships()  # type: ignore[union-attr]
+    assert before == {} and after == {2: "c:/shm", 1: "b:/shm", 0: "a:/shm"}
+    assert not server.check([hs[0]._r(0, "") + "/" + keys.rank_claim(0)]), "no exchange after the round"
+    # host-b (rank 1) is lost; a spare on host-0 (first in host order) comes; c and a survive
+    spare = _handler(server, min_nodes=3, max_nodes=3)
+    spare._host = "host-0"
+    survivors = [hs[0], hs[2]]
+    _claims(survivors + [spare], [
+        Claim(prior=d.rank, survivor=True, identity=x, members=after, digest=d.digest)  # type: ignore[union-attr]
+        for d, x in ((first[0], "c:/shm"), (first[2], "a:/shm"))] + [Claim(prior=None, identity="spare:/shm")])
+    got = _all(survivors + [spare])
+    assert got == [(2, 3), (0, 3), (1, 3)], got
+    before, after2 = spare.decided.memberships()  # type: ignore[union-attr]
+    assert before == after and after2 == {2: "c:/shm", 0: "a:/shm", 1: "spare:/shm"}
+    assert hs[0].decided is not None and hs[0].decided.memberships()[1] == after2  # the survivor's from the diff
+    assert hs[0].decided.digest == spare.decided.digest  # type: ignore[union-attr]
+
+
+def test_the_round_key_is_the_round_stores_key(server: Any) -> None:
+    """The leader writes the decision through the round store and each member reads it with its
+    rank in one call by its full key: the two must name the same key."""
+    h = _handler(server)
+    h._round_store(5).set("tierckpt/rank-decided", b"x")
+    assert server.get(h._round_key(5, "tierckpt/rank-decided")) == b"x"
+
+
+def test_with_claims_a_member_that_never_registered_breaks_the_round_and_the_next_forms(server: Any) -> None:
+    """An arrival that died before it registered (its ``add``, no descriptor): the leader waits
+    ``claims_s`` for it and breaks the round (``ranks.RoundBroken`` on every member, as the
+    exchange did), and the next round forms without it."""
+    from tierckpt.launcher.membership.ranks import Claim, RoundBroken
+
+    ghost = _client(server)
+    hs = [_handler(server, min_nodes=2, max_nodes=3, claims_s=0.5) for _ in range(2)]
+    _claims(hs, [Claim(prior=None, identity=f"n{i}") for i in range(2)])
+    ghost.add("tierckpt/rdzv/job/r0/n", 1)  # arrival 0 (the leader) dies before it decides
+    got = _all(hs)
+    assert all(isinstance(g, RoundBroken) for g in got), got
+    assert sorted(_all(hs)) == [(0, 2), (1, 2)], "the next round: the two live nodes"

@@ -234,3 +234,42 @@ def test_assign_gives_the_rank_and_the_memberships_are_read_once_the_round_settl
     assert got.change.replaced == [{"node": 1, "left": ranks.identity(str(tmp_path / "b")),
                                     "by": ranks.identity(str(tmp_path / "c"))}]
     assert c.members == a.members  # c, a newcomer, read them on first use
+
+
+def test_over_our_handler_the_round_decides_the_stable_rank_and_assign_exchanges_nothing(tmp_path: Path) -> None:
+    """``gate`` gives tierckpt's handler this node's claim: the round's leader decides the stable
+    ranks (no claim is exchanged after it: ``exchange_round`` is not called), ``assign`` returns
+    the round's decision, and the next round keeps each node's rank whatever the host order."""
+    from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # type: ignore[attr-defined]
+    hs = [TierckptRendezvousHandler(dist.TCPStore("127.0.0.1", server.port, is_master=False),  # type: ignore[attr-defined]
+                                    "job", min_nodes=2, max_nodes=2) for _ in range(2)]
+    rs = [_rounds(tmp_path, f"n{i}") for i in range(2)]
+    for r, h in zip(rs, hs, strict=True):
+        r.held_rank = 0  # a survivor never waits at the spare gate (no seats in this test) ...
+        assert r.gate(h, ready=lambda: True, generation=0, load_avoid=tuple) is None and h.claim is not None
+        r.held_rank = None  # ... and the first round's claims are newcomers' (the claim is built at the arrival)
+    real = ranks.exchange_round
+    ranks.exchange_round = lambda *a, **k: pytest.fail("no exchange after our round")  # type: ignore[assignment]
+    try:
+        for gen, hosts in enumerate((("host-a", "host-b"), ("host-z", "host-b"))):
+            for h, host in zip(hs, hosts, strict=True):
+                h._host = host
+            out: list[int] = [-1, -1]
+
+            def one(i: int, gen: int = gen, out: list[int] = out) -> None:
+                info = hs[i].next_rendezvous()
+                out[i] = rs[i].assign(info.store, info.rank, info.world_size, "job", hs[i])
+                rs[i].settled(server, generation=gen, node=out[i], nnodes=2, run_id="job", spare_since=None,
+                              via="rendezvous")
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            assert out == [0, 1], (gen, out)  # the second round: host-z sorts last, and keeps rank 0
+    finally:
+        ranks.exchange_round = real  # type: ignore[assignment]
+    assert rs[0].members == {0: ranks.identity(str(tmp_path / "n0")), 1: ranks.identity(str(tmp_path / "n1"))}

@@ -40,8 +40,9 @@ from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import multi_get_parts, timeout_error, wait_parts
 from tierckpt.launcher.supervisor.runstate import STATE_DIR
 
-__all__ = ["CLAIMS_TIMEOUT_S", "Claim", "Decided", "RoundBroken", "assign", "exchange", "exchange_round", "identity",
-           "load_prior", "members_digest", "save_prior"]
+__all__ = ["CLAIMS_TIMEOUT_S", "Claim", "Decided", "Decision", "RoundBroken", "assign", "broken", "decide",
+           "decided_from", "exchange", "exchange_round", "identity", "load_prior", "members_digest", "offer_known",
+           "save_prior"]
 
 #: how long torch rank 0 waits for every member's claim after the round closed (a live member
 #: claims within milliseconds of its return from the round): a member that died between its
@@ -169,25 +170,77 @@ def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
     round: torch rank 0 publishes that instead of a decision, and every member raises
     ``RoundBroken`` (also when torch rank 0 itself publishes nothing within ``timeout`` + 5 s).
     """
-    digest = claim.named()
-    if claim.members is not None and digest is not None:
-        if int(store.add(keys.rank_known_count(digest), 1)) == 1:  # the first survivor that knew this map
-            store.set(keys.rank_known(digest), _pack({str(k): v for k, v in claim.members.items()}))
-    store.set(keys.rank_claim(torch_rank), claim.to_json(digest))
+    offer_known(store, claim)
+    store.set(keys.rank_claim(torch_rank), claim.to_json())
     if torch_rank == 0:
-        _decide(store, world, timeout, claim if digest is not None else None)
+        _decide(store, world, timeout, claim if claim.named() is not None else None)
     _wait(store, [keys.RANK_DECIDED], timeout + 5.0,
           "the round's first node (torch rank 0) did not publish the round's ranks within {t:.0f}s "
           "after the rendezvous (it failed or left during the round)", broken=True)
     raw, rank_raw = store.multi_get([keys.RANK_DECIDED, keys.rank_decided(torch_rank)])  # one round trip
-    decided = json.loads(bytes(raw))
+    return decided_from(bytes(raw), int(bytes(rank_raw)), store, claim)
+
+
+def offer_known(store: Any, claim: Claim) -> None:
+    """A survivor's view of the last round, published once per digest in the round's ``store``:
+    the first survivor that names it publishes the map (one ``add`` for the others), for the
+    decider of the round (a node that did not know it) to read."""
+    digest = claim.named()
+    if claim.members is not None and digest is not None:
+        if int(store.add(keys.rank_known_count(digest), 1)) == 1:  # the first survivor that knew this map
+            store.set(keys.rank_known(digest), _pack({str(k): v for k, v in claim.members.items()}))
+
+
+def decided_from(raw: bytes, rank: int, store: Any, claim: Claim) -> Decided:
+    """One node's ``Decided`` from the round's decision (``RANK_DECIDED``'s value) and its rank;
+    raises ``RoundBroken`` when the decider broke the round."""
+    decided = json.loads(raw)
     if decided.get("broken"):
         raise RoundBroken(f"round broken: {decided['broken']}")
-    rank = int(bytes(rank_raw))
+    digest = claim.named()
     on_base = digest is not None and claim.members is not None and decided.get("base") == digest
     return Decided(rank=rank, digest=decided.get("digest"), store=store,
                    base=claim.members if on_base else None,
                    diff={"before": decided["before"], "after": decided["after"]} if on_base else None)
+
+
+def broken(why: str) -> bytes:
+    """The decision that breaks a round (every member raises ``RoundBroken`` with ``why``)."""
+    return json.dumps({"broken": why}).encode()
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What a round's decider publishes: the new group rank per torch rank (``order``), the
+    memberships (``RANK_MEMBERS``' value) and the decision (``RANK_DECIDED``'s, written last)."""
+
+    order: list[int]
+    members: bytes
+    decided: bytes
+
+
+def decide(store: Any, claims: Sequence[Claim], timeout: float, own: Claim | None) -> Decision:
+    """``assign`` over every claim (``claims[i]``: torch rank i's), with the previous membership
+    merged from the survivors' maps (read from the round's ``store``, ``offer_known``; ``own``: the
+    decider's claim, whose map needs no read back); publishes nothing."""
+    digests = list(dict.fromkeys(c.digest for c in claims if c.survivor and c.digest))
+    known: dict[str, Mapping[int, str]] = {}
+    if own is not None and own.members is not None and own.named() in digests:
+        known[str(own.named())] = own.members
+    unread = [d for d in digests if d not in known]
+    _wait(store, [keys.rank_known(d) for d in unread], timeout,
+          "a survivor's view of the last round was not published within {t:.0f}s")
+    known.update({d: _ints(_unpack(store.get(keys.rank_known(d)))) for d in unread})
+    order = assign(claims)
+    before = _merged(claims, known)
+    after = {order[i]: c.identity for i, c in enumerate(claims)}
+    base_digest = digests[0] if digests else None
+    members = _pack({"before": {str(k): v for k, v in before.items()}, "after": {str(k): v for k, v in after.items()}})
+    decision: dict[str, Any] = {"base": base_digest, "digest": members_digest(after)}
+    if base_digest is not None:  # no base (the first round): every node reads RANK_MEMBERS, no difference
+        base = known[base_digest]
+        decision.update({"before": _diff(before, base), "after": _diff(after, base)})
+    return Decision(order=order, members=members, decided=json.dumps(decision).encode())
 
 
 def members_digest(members: Mapping[int, str]) -> str:
@@ -207,29 +260,13 @@ def _decide(store: Any, world: int, timeout: float, own: Claim | None) -> None:
         why = (f"torch rank(s) {missing} of {world} published no rank claim within {timeout:g}s of the round's "
                "close (gone since their arrival, or another tierckpt version)")
         store.multi_set([keys.rank_decided(i) for i in range(world)], [b"-1"] * world)  # each member's read returns
-        store.set(keys.RANK_DECIDED, json.dumps({"broken": why}).encode())
+        store.set(keys.RANK_DECIDED, broken(why))
         raise RoundBroken(f"round broken: {why}") from exc
     claims = [Claim.from_json(raw) for raw in multi_get_parts(store, claimed)]
-    digests = list(dict.fromkeys(c.digest for c in claims if c.survivor and c.digest))
-    known: dict[str, Mapping[int, str]] = {}
-    if own is not None and own.members is not None and own.named() in digests:
-        known[str(own.named())] = own.members
-    unread = [d for d in digests if d not in known]
-    _wait(store, [keys.rank_known(d) for d in unread], timeout,
-          "a survivor's view of the last round was not published within {t:.0f}s")
-    known.update({d: _ints(_unpack(store.get(keys.rank_known(d)))) for d in unread})
-    order = assign(claims)
-    before = _merged(claims, known)
-    after = {order[i]: c.identity for i, c in enumerate(claims)}
-    base_digest = digests[0] if digests else None
-    store.multi_set([keys.rank_decided(i) for i in range(world)], [str(r).encode() for r in order])
-    store.set(keys.RANK_MEMBERS, _pack({"before": {str(k): v for k, v in before.items()},
-                                        "after": {str(k): v for k, v in after.items()}}))
-    decision: dict[str, Any] = {"base": base_digest, "digest": members_digest(after)}
-    if base_digest is not None:  # no base (the first round): every node reads RANK_MEMBERS, no difference
-        base = known[base_digest]
-        decision.update({"before": _diff(before, base), "after": _diff(after, base)})
-    store.set(keys.RANK_DECIDED, json.dumps(decision).encode())  # last: the wake-up
+    d = decide(store, claims, timeout, own)
+    store.multi_set([keys.rank_decided(i) for i in range(world)], [str(r).encode() for r in d.order])
+    store.set(keys.RANK_MEMBERS, d.members)
+    store.set(keys.RANK_DECIDED, d.decided)  # last: the wake-up
 
 
 def _merged(claims: Sequence[Claim], known: Mapping[str, Mapping[int, str]]) -> dict[int, str]:

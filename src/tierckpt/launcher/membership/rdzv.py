@@ -71,6 +71,7 @@ import os
 import random
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.api import (
@@ -82,7 +83,9 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from tierckpt.launcher.control import keys
 from tierckpt.launcher.control.store import multi_get_parts, peek, store_errors, timeout_error, wait_parts
+from tierckpt.launcher.membership import ranks
 
 __all__ = ["BACKEND", "TierckptRendezvousHandler", "create_handler", "handler_creator", "register"]
 
@@ -94,6 +97,10 @@ DEPUTIES = 4
 WAKES_PER_S = 64.0
 
 
+#: the world key's mark of a round whose leader decided the ranks from the members' claims ("<N> claims")
+_CLAIMS = "claims"
+
+
 def _int(raw: bytes | None, default: int = 0) -> int:
     return default if raw is None else int(raw)
 
@@ -103,7 +110,8 @@ class TierckptRendezvousHandler(RendezvousHandler):
 
     def __init__(self, store: Any, run_id: str, *, min_nodes: int, max_nodes: int,
                  join_timeout_s: float = 600.0, last_call_s: float = 30.0, poll_s: float = 0.01,
-                 lead_stale_s: float = 3.0, orphan_s: float = 10.0) -> None:
+                 lead_stale_s: float = 3.0, orphan_s: float = 10.0,
+                 claims_s: float = ranks.CLAIMS_TIMEOUT_S) -> None:
         if min_nodes < 1 or max_nodes < min_nodes:
             raise ValueError(f"min_nodes {min_nodes} and max_nodes {max_nodes}: need 1 <= min <= max")
         self.store = store  # the job store (a TCPStore): JobControl, liveness and the rounds share it
@@ -114,6 +122,14 @@ class TierckptRendezvousHandler(RendezvousHandler):
         self.poll_s = poll_s
         self.lead_stale_s = lead_stale_s
         self.orphan_s = orphan_s
+        self.claims_s = claims_s  # how long the leader waits for a member's descriptor (with claims: then breaks)
+        #: this node's rank claim, built at each arrival (the launcher's, membership/rounds.py, via
+        #: torch_rdzv.claim_with): with every member's, the round's leader decides the stable ranks
+        #: itself (``ranks.decide``) and no exchange follows the round; None: ranks in host order
+        self.claim: Callable[[], ranks.Claim] | None = None
+        #: the last round's decision as this node read it (with claims; None: the round ranked by host)
+        self.decided: ranks.Decided | None = None
+        self._claim: ranks.Claim | None = None  # the claim of this node's latest arrival
         #: the node counts the job may run on (``Elastic.allowed``; empty: every count MIN..MAX); the
         #: supervisor narrows it from the job file (torch_rdzv.narrow)
         self.allowed: tuple[int, ...] = ()
@@ -182,17 +198,27 @@ class TierckptRendezvousHandler(RendezvousHandler):
         while True:
             if self.is_closed():
                 raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
+            claim = self._claim = self.claim() if self.claim is not None else None
             k = _int(peek(self.store, self._key("round")))
             i = int(self.store.add(self._r(k, "n"), 1)) - 1
-            self.store.set(self._r(k, f"who/{i}"), f"{self._host}\n{os.getpid()}".encode())
+            who = f"{self._host}\n{os.getpid()}"
+            if claim is not None:  # before the descriptor: the leader reads the map once it has them all
+                ranks.offer_known(self._round_store(k), claim)
+                who += "\n" + claim.to_json().decode()
+            self.store.set(self._r(k, f"who/{i}"), who.encode())
             if self.round is not None:  # a member of an earlier round: the running job re-forms
                 self.store.add(self._r(k, "rejoined"), 1)
             self.arrived = (k, i)
-            world = self._await_world(k, i, deadline)
+            world, claimed = self._await_world(k, i, deadline)
             if i < world:
-                rank = int(self.store.get(self._r(k, f"rank/{i}")))
-                self.round, self.world, self.arrived = k, world, None
+                self.round, self.world, self.arrived, self.decided = k, world, None, None
                 round_store = self._round_store(k)
+                if claimed and claim is not None:  # the leader decided the stable ranks: one read, no exchange
+                    rank_raw, raw = self.store.multi_get([self._r(k, f"rank/{i}"), self._round_key(k, keys.RANK_DECIDED)])
+                    self.decided = ranks.decided_from(bytes(raw), int(bytes(rank_raw)), round_store, claim)
+                    rank = self.decided.rank
+                else:
+                    rank = int(self.store.get(self._r(k, f"rank/{i}")))
                 info = RendezvousStoreInfo(master_addr=str(getattr(self.store, "host", "127.0.0.1")),
                                            master_port=int(getattr(self.store, "port", 0)))
                 return RendezvousInfo(round_store, rank, world, info)
@@ -203,8 +229,13 @@ class TierckptRendezvousHandler(RendezvousHandler):
 
         return dist.PrefixStore(self._r(k, ""), self.store)  # type: ignore[attr-defined]
 
-    def _await_world(self, k: int, i: int, deadline: float) -> int:
-        """Round k's size: decided here if this node leads it, else waited for. A ``wait`` that
+    def _round_key(self, k: int, name: str) -> str:
+        """The job store's name of the round store's key ``name`` (torch's PrefixStore joins with '/')."""
+        return self._r(k, "") + "/" + name
+
+    def _await_world(self, k: int, i: int, deadline: float) -> tuple[int, bool]:
+        """Round k's size, and whether its leader decided the ranks from the members' claims:
+        decided here if this node leads it, else waited for. A ``wait`` that
         returns means the key is set (nothing here ``compare_set``s it without setting it, and a
         ``peek`` would: torch's libuv server wakes every waiter on a key at any compare_set, so
         each member's peek woke all the others), so the member reads it at once."""
@@ -221,7 +252,8 @@ class TierckptRendezvousHandler(RendezvousHandler):
                                              "nodes needed arrived)")
             try:  # block on the key, waking now and then to see whether the leader still beats
                 self.store.wait([key], datetime.timedelta(seconds=min(self._watch_s(i), max(0.01, deadline - now))))
-                return int(self.store.get(key))
+                size, _, how = bytes(self.store.get(key)).decode().partition(" ")
+                return int(size), how == _CLAIMS
             except timeout_error():
                 pass
             if self.is_closed():
@@ -291,13 +323,15 @@ class TierckptRendezvousHandler(RendezvousHandler):
                 self.store.add(beat, 1)
             time.sleep(self.poll_s)
         world = self._floor(n) or min(n, self.max_nodes)
-        self._rank(k, world, deadline)
+        value = str(world).encode()
+        if self._rank(k, world, deadline, beat_every):
+            value += b" " + _CLAIMS.encode()
         # compare_set: a leader that took over from a stale one and the stale one decide once between them;
         # then set the decided value again (the same bytes), since torch's legacy TCPStore server
         # (use_libuv=False) wakes no waiter on a compare_set: the members would see the close only at the
         # end of their 1 s wait (and, at 64 nodes, some of them 6 s late; bench rdzv)
         key = self._r(k, "world")
-        self.store.set(key, bytes(self.store.compare_set(key, b"", str(world).encode())))
+        self.store.set(key, bytes(self.store.compare_set(key, b"", value)))
         self.store.compare_set(self._key("round"), str(k).encode() if k else b"", str(k + 1).encode())
 
     def _floor(self, n: int) -> int | None:
@@ -307,25 +341,58 @@ class TierckptRendezvousHandler(RendezvousHandler):
         ok = [a for a in (self.allowed or range(self.min_nodes, self.max_nodes + 1)) if self.min_nodes <= a <= n]
         return max(ok) if ok else None
 
-    def _rank(self, k: int, world: int, deadline: float) -> None:
-        """The members' ranks: by (host name, pid), as torch's c10d handler orders its participants
-        (a job started host by host gets its ranks in host order; ours keep them afterwards, ranks.py)."""
+    def _rank(self, k: int, world: int, deadline: float, beat_every: float) -> bool:
+        """The members' ranks, set under ``r<k>/rank/<i>``; True when decided from their claims.
+
+        The torch rank order is (host name, pid), as torch's c10d handler orders its participants
+        (a job started host by host gets its ranks in host order). When this node and every member
+        registered a rank claim, the ranks are ``ranks.assign``'s over the claims in that order
+        (the survivors keep theirs, the spare takes the lost one's) and the decision goes to the
+        round's store (``RANK_MEMBERS``, ``RANK_DECIDED``): a member that never registered breaks
+        the round (``ranks.broken``). Without claims, the torch rank order is the rank, and a member
+        that never registered ranks last."""
         who = [self._r(k, f"who/{i}") for i in range(world)]
-        try:  # every member sets its key right after its arrival
-            wait_parts(self.store, who, max(0.01, min(self.lead_stale_s, deadline - time.monotonic())))
-            if not self.store.check(who):  # a wait returns without its keys on torch's libuv server when
-                # another client peeks one of them (a compare_set wakes its waiters): a second leader's peeks
-                raise timeout_error()(f"round {k}: not every member's descriptor was set")
-            raws: list[bytes | None] = list(multi_get_parts(self.store, who))
-        except timeout_error():  # one died between its arrival and its key: it ranks last
-            raws = [peek(self.store, key) for key in who]
         descs = []
-        for i, raw in enumerate(raws):
-            host, _, pid = (raw or "\uffff\n0".encode()).decode().partition("\n")
-            descs.append((host, int(pid or 0), i))
+        for i, raw in enumerate(self._descriptors(k, who, deadline, beat_every)):
+            host, _, rest = (raw or "\uffff\n0".encode()).decode().partition("\n")
+            pid, _, claim = rest.partition("\n")
+            descs.append((host, int(pid or 0), i, ranks.Claim.from_json(claim.encode()) if claim else None, raw is None))
         order = sorted(descs)
-        self.store.multi_set([self._r(k, f"rank/{i}") for _, _, i in order],
-                             [str(rank).encode() for rank in range(world)])
+        rank_keys = [self._r(k, f"rank/{i}") for _, _, i, _, _ in order]
+        mine = self._claim
+        if mine is None or any(c is None and not gone for _, _, _, c, gone in order):
+            self.store.multi_set(rank_keys, [str(rank).encode() for rank in range(world)])
+            return False
+        round_store = self._round_store(k)
+        gone = [i for _, _, i, _, missing in order if missing]
+        if gone:
+            why = (f"arrival(s) {gone} of round {k} registered no rank claim within {self.claims_s:g}s (gone since "
+                   "their arrival)")
+            round_store.set(keys.RANK_DECIDED, ranks.broken(why))
+            self.store.multi_set(rank_keys, [b"-1"] * world)
+            return True
+        claims = [c for _, _, _, c, _ in order if c is not None]
+        d = ranks.decide(round_store, claims, self.claims_s, mine if mine.named() is not None else None)
+        round_store.set(keys.RANK_MEMBERS, d.members)
+        round_store.set(keys.RANK_DECIDED, d.decided)
+        self.store.multi_set(rank_keys, [str(rank).encode() for rank in d.order])
+        return True
+
+    def _descriptors(self, k: int, who: list[str], deadline: float, beat_every: float) -> list[bytes | None]:
+        """Every member's descriptor (None: not set within ``claims_s``, or ``lead_stale_s`` without
+        claims), beating while it waits
+        (the deputies would take over a silent leader)."""
+        until = min(deadline, time.monotonic() + (self.claims_s if self.claim is not None else self.lead_stale_s))
+        while True:
+            try:  # every member sets its key right after its arrival
+                wait_parts(self.store, who, max(0.01, min(beat_every, until - time.monotonic())))
+                if self.store.check(who):  # a wait returns without its keys on torch's libuv server when
+                    return list(multi_get_parts(self.store, who))  # another client peeks one (a second leader's)
+            except timeout_error():
+                pass
+            if time.monotonic() >= until:  # one died between its arrival and its key
+                return [peek(self.store, key) for key in who]
+            self.store.add(self._r(k, "beat"), 1)
 
     # ---- what the launcher reads (membership/torch_rdzv.py) ----
     def joined(self) -> int | None:

@@ -10,7 +10,9 @@ Call order (the supervisor, supervisor/torch_agent.py):
 
     gate(handler, ready, generation)            # before torch's round (None: it did not wait)
     rendezvous(round_call, generation)          # torch's round, again while a member breaks it
-    assign(store, group_rank, world, run_id)    # inside torch's round: this node's stable rank (O(1))
+    assign(store, group_rank, world, run_id, handler)   # inside torch's round: this node's stable rank
+                                                # (O(1)): ours decided it in the round (gate gave it
+                                                # the claim), else the claims are exchanged now
     after_round(job_store, offenses, avoid)     # once the round formed, with the state file's lists
     settled(job_store, node, nnodes, ...) -> Round   # after a round or a regroup: the value the parts follow;
                                                 # reads the round's memberships (O(N) for a newcomer)
@@ -96,6 +98,8 @@ class Rounds:
         the state file's avoid list, read at the first gate only."""
         if self.opts.elastic is not None and self.opts.elastic.allowed:  # rounds close on allowed counts only
             torch_rdzv.narrow(handler, self.opts.elastic.allowed)
+        run_id = handler.get_run_id() if hasattr(handler, "get_run_id") else ""
+        torch_rdzv.claim_with(handler, lambda: self.claim(run_id), self.claims_timeout_s)  # ours decides in the round
         if self.held_rank is not None:
             return None
         job_store, max_nodes = torch_rdzv.store_of(handler), torch_rdzv.max_nodes_of(handler)
@@ -137,19 +141,30 @@ class Rounds:
                 self.events.emit("warning", generation=generation,
                                  what=f"{exc}; joining the next round (attempt {attempt + 1} of {attempts})")
 
-    def assign(self, store: Any, group_rank: int, group_world_size: int, run_id: str) -> int:
-        """Inside torch's round: the group rank this node held before (ranks.py), instead of
-        torch's arrival order; torch's rank assignment then runs from it. O(1) work: a survivor
-        names the map it knew by the digest it was told, and the round's memberships are read
-        when they are needed (``members``; ``settled`` at the latest), not before the rank is."""
+    def claim(self, run_id: str) -> ranks.Claim:
+        """This node's claim in the next round: the rank it held in this process (a survivor, with
+        the membership it knew by its digest), else the one its memory root remembers."""
         memory_dir = self.opts.memory_dir
         survivor = self.held_rank is not None
         prior = self.held_rank if survivor else ranks.load_prior(memory_dir, run_id)
-        claim = ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
-                            members=self.members if survivor else None, digest=self._digest if survivor else None)
-        self._decided = ranks.exchange_round(store, group_rank, group_world_size, claim, timeout=self.claims_timeout_s)
-        self.stable_rank = self._decided.rank
-        return self._decided.rank
+        return ranks.Claim(prior=prior, survivor=survivor, identity=ranks.identity(memory_dir),
+                           members=self.members if survivor else None, digest=self._digest if survivor else None)
+
+    def assign(self, store: Any, group_rank: int, group_world_size: int, run_id: str, handler: Any = None) -> int:
+        """Inside torch's round: the group rank this node held before (ranks.py), instead of
+        torch's arrival order; torch's rank assignment then runs from it. Our handler's round
+        decided it already (``torch_rdzv.decided``: its leader applied the claims); after any
+        other round the claims are exchanged in the round's store now (``ranks.exchange_round``).
+        O(1) work: a survivor names the map it knew by the digest it was told, and the round's
+        memberships are read when they are needed (``members``; ``settled`` at the latest), not
+        before the rank is."""
+        decided = torch_rdzv.decided(handler) if handler is not None else None
+        if decided is None:
+            decided = ranks.exchange_round(store, group_rank, group_world_size, self.claim(run_id),
+                                           timeout=self.claims_timeout_s)
+        self._decided = decided
+        self.stable_rank = decided.rank
+        return decided.rank
 
     @property
     def members(self) -> Mapping[int, str]:

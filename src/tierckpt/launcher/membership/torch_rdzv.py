@@ -12,17 +12,24 @@ torch that renamed one loses a report or a shortcut, never the job).
     narrow(handler, allowed)  the node counts a round may close with (ours; c10d cannot: False)
     regrouped(handler, world) the running job regrouped without a round: ours counts the nodes
                               waiting against the new size (below MAX again after a shrink)
+    claim_with(handler, claim, timeout_s)  ours: each arrival carries this node's rank claim, and
+                              the round's leader decides the stable ranks (c10d cannot: False)
+    decided(handler)          ours: the last round's decision (ranks.Decided), or None (c10d, or a
+                              round ranked by host order: the launcher exchanges the claims then)
 
 Pinned by ``tests/unit/launcher/test_torch_rdzv.py`` on this torch's c10d handler and on ours.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+from tierckpt.launcher.membership.ranks import Claim, Decided
 from tierckpt.launcher.membership.rdzv import TierckptRendezvousHandler
 
-__all__ = ["joined", "leave_round", "max_nodes_of", "narrow", "regrouped", "standing_by", "store_of"]
+__all__ = ["claim_with", "decided", "joined", "leave_round", "max_nodes_of", "narrow", "regrouped", "standing_by",
+           "store_of"]
 
 
 def store_of(handler: Any) -> Any | None:
@@ -40,6 +47,21 @@ def narrow(handler: Any, allowed: tuple[int, ...]) -> bool:
         handler.allowed = tuple(allowed)
         return True
     return False
+
+
+def claim_with(handler: Any, claim: Callable[[], Claim], timeout_s: float) -> bool:
+    """Ours: every arrival registers ``claim()`` and the round's leader applies ``ranks.assign``
+    (waiting ``timeout_s`` for a member's registration before it breaks the round); torch's c10d
+    handler cannot (False: the launcher exchanges the claims after its round, ranks.exchange_round)."""
+    if isinstance(handler, TierckptRendezvousHandler):
+        handler.claim, handler.claims_s = claim, timeout_s
+        return True
+    return False
+
+
+def decided(handler: Any) -> Decided | None:
+    """The decision of the round ``handler`` last returned from, when its leader decided from the claims."""
+    return handler.decided if isinstance(handler, TierckptRendezvousHandler) else None
 
 
 def regrouped(handler: Any, world: int) -> None:

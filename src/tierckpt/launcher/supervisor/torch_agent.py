@@ -52,7 +52,8 @@ class TierckptAgent(LocalElasticAgent):
                              spec: WorkerSpec) -> list[Any]:
         """torch's rank assignment, but from the group rank this node held before (membership/rounds.py)
         instead of torch's arrival order; called by torch's ``_rendezvous`` once per round."""
-        stable = self.supervisor.rounds.assign(store, group_rank, group_world_size, spec.rdzv_handler.get_run_id())
+        stable = self.supervisor.rounds.assign(store, group_rank, group_world_size, spec.rdzv_handler.get_run_id(),
+                                               spec.rdzv_handler)
         return super()._assign_worker_ranks(store, stable, group_world_size, spec)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
