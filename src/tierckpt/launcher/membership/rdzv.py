@@ -14,7 +14,9 @@ A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integ
     r<k>/n                arrivals in round k (``add``: the arrival index, 0 first)
     r<k>/lead             the arrival index that leads round k (absent: 0, the first arrival)
     r<k>/beat             the leader's counter while it decides (a waiting node takes over a stale one)
-    r<k>/who/<i>          arrival i's host name and pid
+    r<k>/who/<i>          arrival i's host name and pid, and its rank claim when the launcher gave
+                          the handler one (``claim``: the rank it held, whether it held it in this
+                          process, its identity, the digest of the membership it knew)
     r<k>/rejoined         arrivals that were members of an earlier round (``add``): round k ≥ 1 closes
                           only once one of them came (the running job re-forms), as c10d keeps a
                           late node in its wait list until a participant re-joins
@@ -23,24 +25,35 @@ A round ``k`` (keys under ``tierckpt/rdzv/<run id>/``; every value a small integ
                           stood still for ``orphan_s`` closes without a re-join (every member of the
                           last round gone, the store served from elsewhere)
     r<k>/rank/<i>         arrival i's rank in the round, set by the leader (one multi_set) before ...
-    r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members,
-                          ranked by (host name, pid) as torch's c10d handler ranks its participants
-    r<k>/...              the round's own store (``RendezvousInfo.store``: a PrefixStore), where the
-                          agents exchange their rank claims (ranks.py) and meet at the join barrier
+    r<k>/world            the round's size N, set once by its leader: arrivals 0..N-1 are its members.
+                          "N claims" when the leader decided the ranks from every member's claim
+                          (ranks.assign over the claims in (host name, pid) order: a node keeps the
+                          rank it held, a spare takes a lost one's); "N" when some member brought no
+                          claim (plain torchrun, an older agent): ranked by (host name, pid), as
+                          torch's c10d handler ranks its participants, and the launcher exchanges
+                          the claims after the round (ranks.exchange_round)
+    r<k>/...              the round's own store (``RendezvousInfo.store``: a PrefixStore): the
+                          decision (``RANK_DECIDED``, ``RANK_MEMBERS``, keys.py) and the survivors'
+                          map (``rank_known``), and where the agents meet at the join barrier
     closed                the rendezvous is closed (the job ended): no node joins again
 
 Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
 
-    next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1; set(r<k>/who/<i>)
+    next_rendezvous():  k = get(round); i = add(r<k>/n, 1) - 1; a survivor's map once per digest
+                        (ranks.offer_known: one add); set(r<k>/who/<i>) with the claim
         a member of an earlier round: add(r<k>/rejoined, 1)
         i == leader:    poll r<k>/n until max_nodes arrived, or min_nodes and ``last_call_timeout``
                         passed (k ≥ 1: and a member of an earlier round rejoined); N = the most
                         nodes the job may run on (``allowed``: replicaDiscreteValues); wait for the
-                        N members' who keys, read them (multi_get), set their ranks (multi_set),
-                        set r<k>/world = N (compare_set, then set: the wake-up), then
+                        N members' who keys (beating; ``claims_s`` at most, then a member that
+                        never registered breaks a round with claims: ranks.broken), read them
+                        (multi_get), decide (ranks.decide: the survivors' map read once), publish
+                        the decision in the round store and the ranks (multi_set), set
+                        r<k>/world = "N claims" (compare_set, then set: the wake-up), then
                         round = k+1                                              (the leader only)
-        everyone:       wait(r<k>/world) -> N; i < N: a member, with get(r<k>/rank/<i>) and world N
-                        (the supervisor's Rounds then gives every node its old rank back);
+        everyone:       wait(r<k>/world) -> N; i < N: a member, with its rank and the decision
+                        (one multi_get: ``decided``, the stable rank Rounds.assign takes; without
+                        claims get(r<k>/rank/<i>), and Rounds exchanges the claims);
                         i >= N: arrived after the close: join round k+1 (a node waiting there is
                         what ``num_nodes_waiting`` counts while the running round is below max)
     num_nodes_waiting(): one ``add(r<k+1>/n, 0)``: nodes waiting for the next round (0 at max_nodes),
@@ -51,7 +64,9 @@ Call order (each agent; torch's ``_rendezvous`` calls ``next_rendezvous``):
                         set it (a wake-up); a node in next_rendezvous then raises RendezvousClosedError
 
 Cost: a node's join is seven store operations (two peeks: closed, round; add, set, wait, get the
-world, get its rank); the leader polls one counter
+world, one multi_get of its rank and the decision; a survivor one add more for its map), and no
+exchange follows the round (it was four operations more per node and a second wake-up of every
+node: 4096 nodes, lost node → every rank 14 s on threads, bench rdzv); the leader polls one counter
 while the round fills (every ``poll_s``) and beats every ``lead_stale_s / 4`` (at most 0.5 s); a
 waiting member wakes from its ``wait`` now and then to look at the leader's beat (~5 operations):
 the first ``DEPUTIES`` arrivals after the leader every second, the others about every
