@@ -319,7 +319,9 @@ def _wait(store: Any, names: list[str], timeout: float, why: str, *, broken: boo
     try:
         wait_parts(store, names, timeout)
     except timeout_error() as exc:
-        raise (RoundBroken if broken else ProtocolError)(why.format(t=timeout)) from exc
+        if broken:  # named as every broken round is: the launcher's warning says "round broken"
+            raise RoundBroken(f"round broken: {why.format(t=timeout)}") from exc
+        raise ProtocolError(why.format(t=timeout)) from exc
 
 
 def _path(memory_dir: str | None, run_id: str) -> Path:
