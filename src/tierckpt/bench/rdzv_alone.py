@@ -64,14 +64,13 @@ def exchange_alone(port: int, n: int) -> dict[str, Any]:
 
         # the tierckpt round: arrivals 1..N-1 registered, arrival 0 leads
         h = TierckptRendezvousHandler(client, f"alone-{uuid.uuid4().hex}", min_nodes=n, max_nodes=n)
-        h._claim = claim(0)
         if name == "lost":  # the first survivor with the digest publishes the map
             offer_known(h._round_store(0), claim(1))
         who = [f"{h._host}\n0\n" + claim(i).to_json().decode() for i in range(n)]
         client.multi_set([h._r(0, f"who/{i}") for i in range(n)], who)  # type: ignore[attr-defined]
         client.check([h._r(0, "who/0")])  # a reply: the server has stored every descriptor (set has none)
         t0 = time.perf_counter()
-        by_claims = h._rank(0, n, time.monotonic() + 60, 0.5)
+        by_claims = h._rank(0, n, time.monotonic() + 60, 0.5, claim(0))
         t1 = time.perf_counter()
         rank_raw, raw = client.multi_get([h._r(0, f"rank/{n - 1}"), h._round_key(0, keys.RANK_DECIDED)])
         member = decided_from(bytes(raw), int(bytes(rank_raw)), h._round_store(0), claim(n - 1))

@@ -347,7 +347,7 @@ def test_two_members_that_find_the_leader_stale_make_one_leader(server: Any) -> 
     led: list[int] = []
     for h in hs:
         real = h._lead
-        h._lead = lambda k, deadline, real=real: (led.append(k), real(k, deadline))[1]  # type: ignore[method-assign]
+        h._lead = lambda k, *rest, real=real: (led.append(k), real(k, *rest))[1]  # type: ignore[method-assign]
     assert sorted(_all(hs)) == [(0, 3), (1, 3)]
     assert led == [0], led
 

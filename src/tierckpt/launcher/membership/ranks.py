@@ -82,10 +82,10 @@ class Claim:
             return self.digest
         return members_digest(self.members) if self.members else None
 
-    def to_json(self, digest: str | None = None) -> bytes:
-        """The claim as published: ``members`` by its digest (``exchange_round`` publishes the map)."""
+    def to_json(self) -> bytes:
+        """The claim as published: ``members`` by its digest (``offer_known`` publishes the map)."""
         return json.dumps({"prior": self.prior, "survivor": self.survivor, "identity": self.identity,
-                           "digest": digest if digest is not None else self.named()}).encode()
+                           "digest": self.named()}).encode()
 
     @classmethod
     def from_json(cls, raw: bytes) -> Claim:
@@ -173,7 +173,7 @@ def exchange_round(store: Any, torch_rank: int, world: int, claim: Claim, *,
     offer_known(store, claim)
     store.set(keys.rank_claim(torch_rank), claim.to_json())
     if torch_rank == 0:
-        _decide(store, world, timeout, claim if claim.named() is not None else None)
+        _decide(store, world, timeout, claim)
     _wait(store, [keys.RANK_DECIDED], timeout + 5.0,
           "the round's first node (torch rank 0) did not publish the round's ranks within {t:.0f}s "
           "after the rendezvous (it failed or left during the round)", broken=True)
@@ -249,9 +249,9 @@ def members_digest(members: Mapping[int, str]) -> str:
     return hashlib.sha256(raw).hexdigest()[:16]
 
 
-def _decide(store: Any, world: int, timeout: float, own: Claim | None) -> None:
+def _decide(store: Any, world: int, timeout: float, own: Claim) -> None:
     """Torch rank 0: every claim (``store.wait_parts``, ``store.multi_get_parts``), ``assign``, the decision published.
-    ``own``: its own claim when it names a map (that map needs no read back)."""
+    ``own``: its own claim (a map it names needs no read back, ``decide``)."""
     claimed = [keys.rank_claim(i) for i in range(world)]
     try:
         _wait(store, claimed, timeout, "", broken=True)

@@ -144,7 +144,6 @@ class TierckptRendezvousHandler(RendezvousHandler):
         self.claim: Callable[[], ranks.Claim] | None = None
         #: the last round's decision as this node read it (with claims; None: the round ranked by host)
         self.decided: ranks.Decided | None = None
-        self._claim: ranks.Claim | None = None  # the claim of this node's latest arrival
         #: the node counts the job may run on (``Elastic.allowed``; empty: every count MIN..MAX); the
         #: supervisor narrows it from the job file (torch_rdzv.narrow)
         self.allowed: tuple[int, ...] = ()
@@ -213,7 +212,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
         while True:
             if self.is_closed():
                 raise RendezvousClosedError(f"the rendezvous of run {self.run_id!r} is closed")
-            claim = self._claim = self.claim() if self.claim is not None else None
+            claim = self.claim() if self.claim is not None else None
             k = _int(peek(self.store, self._key("round")))
             i = int(self.store.add(self._r(k, "n"), 1)) - 1
             who = f"{self._host}\n{os.getpid()}"
@@ -224,7 +223,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
             if self.round is not None:  # a member of an earlier round: the running job re-forms
                 self.store.add(self._r(k, "rejoined"), 1)
             self.arrived = (k, i)
-            world, claimed = self._await_world(k, i, deadline)
+            world, claimed = self._await_world(k, i, deadline, claim)
             if i < world:
                 self.round, self.world, self.arrived, self.decided = k, world, None, None
                 round_store = self._round_store(k)
@@ -248,14 +247,14 @@ class TierckptRendezvousHandler(RendezvousHandler):
         """The job store's name of the round store's key ``name`` (torch's PrefixStore joins with '/')."""
         return self._r(k, "") + "/" + name
 
-    def _await_world(self, k: int, i: int, deadline: float) -> tuple[int, bool]:
+    def _await_world(self, k: int, i: int, deadline: float, claim: ranks.Claim | None) -> tuple[int, bool]:
         """Round k's size, and whether its leader decided the ranks from the members' claims:
-        decided here if this node leads it, else waited for. A ``wait`` that
+        decided here if this node leads it (``claim``: its own), else waited for. A ``wait`` that
         returns means the key is set (nothing here ``compare_set``s it without setting it, and a
         ``peek`` would: torch's libuv server wakes every waiter on a key at any compare_set, so
         each member's peek woke all the others), so the member reads it at once."""
         if i == 0:
-            self._lead(k, deadline)
+            self._lead(k, deadline, claim)
         key = self._r(k, "world")
         beat_seen, beat_at = -1, time.monotonic()
         lead_seen = b""  # the lead key as this member last saw it (absent: arrival 0 leads)
@@ -283,7 +282,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
                 # server, and its multi_get then blocked for the store's timeout; test_rdzv)
                 took = bytes(self.store.compare_set(self._r(k, "lead"), lead_seen, str(i).encode()))
                 if took == str(i).encode():
-                    self._lead(k, deadline)
+                    self._lead(k, deadline, claim)
                 lead_seen, beat_at = took, time.monotonic()  # another took it: it gets lead_stale_s
 
     def _watch_s(self, i: int) -> float:
@@ -304,8 +303,9 @@ class TierckptRendezvousHandler(RendezvousHandler):
     def _arrivals(self, k: int) -> int:
         return int(self.store.add(self._r(k, "n"), 0))
 
-    def _lead(self, k: int, deadline: float) -> None:
-        """Decide round k: wait for max_nodes, or for min_nodes and the last call; close it."""
+    def _lead(self, k: int, deadline: float, claim: ranks.Claim | None) -> None:
+        """Decide round k: wait for max_nodes, or for min_nodes and the last call; close it (``claim``:
+        the leader's own rank claim, ``_rank``)."""
         min_since: float | None = None
         beat = self._r(k, "beat")
         rejoined = k == 0 or self.round is not None  # round 0 follows no round
@@ -339,7 +339,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
             time.sleep(self.poll_s)
         world = self._floor(n) or min(n, self.max_nodes)
         value = str(world).encode()
-        if self._rank(k, world, deadline, beat_every):
+        if self._rank(k, world, deadline, beat_every, claim):
             value += b" " + _CLAIMS.encode()
         # compare_set: a leader that took over from a stale one and the stale one decide once between them;
         # then set the decided value again (the same bytes), since torch's legacy TCPStore server
@@ -356,12 +356,12 @@ class TierckptRendezvousHandler(RendezvousHandler):
         ok = [a for a in (self.allowed or range(self.min_nodes, self.max_nodes + 1)) if self.min_nodes <= a <= n]
         return max(ok) if ok else None
 
-    def _rank(self, k: int, world: int, deadline: float, beat_every: float) -> bool:
+    def _rank(self, k: int, world: int, deadline: float, beat_every: float, mine: ranks.Claim | None) -> bool:
         """The members' ranks, set under ``r<k>/rank/<i>``; True when decided from their claims.
 
         The torch rank order is (host name, pid), as torch's c10d handler orders its participants
-        (a job started host by host gets its ranks in host order). When this node and every member
-        registered a rank claim, the ranks are ``ranks.assign``'s over the claims in that order
+        (a job started host by host gets its ranks in host order). When this node (``mine``) and
+        every member registered a rank claim, the ranks are ``ranks.assign``'s over the claims in that order
         (the survivors keep theirs, the spare takes the lost one's) and the decision goes to the
         round's store (``RANK_MEMBERS``, ``RANK_DECIDED``): a member that never registered breaks
         the round (``ranks.broken``). Without claims, the torch rank order is the rank, and a member
@@ -374,8 +374,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
             descs.append((host, int(pid or 0), i, ranks.Claim.from_json(claim.encode()) if claim else None, raw is None))
         order = sorted(descs)
         rank_keys = [self._r(k, f"rank/{i}") for _, _, i, _, _ in order]
-        mine = self._claim
-        if mine is None or any(c is None and not gone for _, _, _, c, gone in order):
+        if mine is None or any(c is None and not missing for _, _, _, c, missing in order):
             self.store.multi_set(rank_keys, [str(rank).encode() for rank in range(world)])
             return False
         round_store = self._round_store(k)
@@ -387,7 +386,7 @@ class TierckptRendezvousHandler(RendezvousHandler):
             self.store.multi_set(rank_keys, [b"-1"] * world)
             return True
         claims = [c for _, _, _, c, _ in order if c is not None]
-        d = ranks.decide(round_store, claims, self.claims_s, mine if mine.named() is not None else None)
+        d = ranks.decide(round_store, claims, self.claims_s, mine)
         round_store.set(keys.RANK_MEMBERS, d.members)
         round_store.set(keys.RANK_DECIDED, d.decided)
         self.store.multi_set(rank_keys, [str(rank).encode() for rank in d.order])
