@@ -173,3 +173,6 @@ def test_the_docs_hyperpodrun_job_renders_and_runs_unedited(tmp_path: Path, shm:
     assert [(e["phase"], e["generation"]) for e in events if e["event"] == "script"] == [
         ("pre_train", 0), ("pre_train", 1), ("post_train", 1)]
     assert events[-1]["event"] == "exit" and events[-1]["code"] == 0
+    # the launcher kept its rank file beside the workers' memory tier (TIERCKPT_MEMORY_DIR), not in the
+    # default /dev/shm/tierckpt (where it was left behind before)
+    assert [p.name for p in (Path(memory) / ".tierckpt-run").glob("*.rank.json")], list(Path(memory).rglob("*"))

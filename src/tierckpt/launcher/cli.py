@@ -66,7 +66,9 @@ def build_parser() -> ArgumentParser:
     g = p.add_argument_group("tierckpt")
     g.add_argument("--job", help="HyperPodPyTorchJob YAML (or just its runPolicy mapping): restart policy, log rules")
     g.add_argument("--namespace", help="exported to workers as TIERCKPT_NAMESPACE")
-    g.add_argument("--memory-dir", help="exported as TIERCKPT_MEMORY_DIR; restart state is kept beside it")
+    g.add_argument("--memory-dir", default=os.environ.get("TIERCKPT_MEMORY_DIR") or None,
+                   help="exported as TIERCKPT_MEMORY_DIR (default: that variable, else /dev/shm/tierckpt); restart "
+                   "state is kept beside it")
     g.add_argument("--durable-url", help="exported as TIERCKPT_DURABLE_URL; the newest step is persisted there on exit")
     g.add_argument("--events", help="append events as JSON lines to this file")
     g.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port (127.0.0.1; "

@@ -54,6 +54,21 @@ def test_job_file_overrides_max_restarts(tmp_path: Path) -> None:
     assert (esc.job_max_retry_count, esc.job_max_retry_source) == (5, "runPolicy.jobMaxRetryCount 5")
 
 
+def test_the_memory_dir_falls_back_to_TIERCKPT_MEMORY_DIR(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The workers read TIERCKPT_MEMORY_DIR from the environment; the launcher keeps its restart
+    state and rank file beside the same root and its hosted agent (a 2-node job replicates by
+    default) serves it, not /dev/shm/tierckpt (hyperpodrun's test left a rank file there). An
+    explicit --memory-dir wins over the environment."""
+    memory = str(tmp_path / "shm")
+    monkeypatch.setenv("TIERCKPT_MEMORY_DIR", memory)
+    opts = _opts(["--nnodes", "2"])
+    assert opts.memory_dir == memory
+    assert opts.agent is not None and opts.agent.memory_dir == memory
+    assert _opts(["--memory-dir", str(tmp_path / "given")]).memory_dir == str(tmp_path / "given")
+    monkeypatch.delenv("TIERCKPT_MEMORY_DIR")
+    assert _opts([]).memory_dir is None  # unset: the default root, as before
+
+
 def test_help_states_the_default_and_why() -> None:
     from tierckpt.launcher.cli import build_parser
 

@@ -595,14 +595,14 @@ class Supervisor:
             except Exception as exc:  # the exit goes on; the failure is reported
                 self.events.emit("warning", generation=self.generation, what=f"agent flush failed: {exc}")
             return
-        from tierckpt.config import CheckpointConfig
+        from tierckpt.config import DEFAULT_MEMORY_DIR, CheckpointConfig
         from tierckpt.launcher.dataplane.persist import persist_all
 
         def wait_all() -> bool:
             return self._barrier(keys.persisted(self.generation), timeout=60.0)
 
         try:
-            cfg = CheckpointConfig(namespace=o.namespace, memory_dir=o.memory_dir or "/dev/shm/tierckpt",
+            cfg = CheckpointConfig(namespace=o.namespace, memory_dir=o.memory_dir or DEFAULT_MEMORY_DIR,
                                    durable_url=o.durable_url)
             steps = persist_all(cfg, leader=self.node == 0, barrier=wait_all if barrier and self.nnodes > 1 else None)
             self.events.emit("persisted", generation=self.generation, steps=steps)
